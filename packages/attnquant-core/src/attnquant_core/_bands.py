@@ -1,0 +1,46 @@
+"""Banding: cut ``L`` layers into ``G`` contiguous bands of near-equal size."""
+
+from __future__ import annotations
+
+from ._errors import DecompositionError
+
+__all__ = ["band_of_layers", "band_sizes", "resolve_blocks"]
+
+
+def resolve_blocks(blocks: int | str, num_layers: int) -> int:
+    """Turn ``blocks`` (an int, or ``"layers"`` for passthrough) into ``G`` and check ``1 <= G <= L``."""
+    if isinstance(blocks, str):
+        text = blocks.strip().lower()
+        if text == "layers":
+            return num_layers
+        try:
+            blocks = int(text)
+        except ValueError:
+            raise DecompositionError(
+                f"blocks={blocks!r} is not an integer or 'layers' (passthrough)"
+            ) from None
+    if isinstance(blocks, bool) or not isinstance(blocks, int):
+        raise DecompositionError(f"blocks must be an int or 'layers', got {blocks!r}")
+    if not 1 <= blocks <= num_layers:
+        raise DecompositionError(
+            f"blocks={blocks} is outside 1..{num_layers} for a model of {num_layers} layers "
+            f"(use 'layers' for passthrough)"
+        )
+    return blocks
+
+
+def band_sizes(num_layers: int, blocks: int) -> list[int]:
+    """Sizes of the ``blocks`` bands: as equal as possible, earlier bands take the extra layer."""
+    if num_layers < 1:
+        raise DecompositionError(f"a family needs at least one layer, got {num_layers}")
+    resolve_blocks(blocks, num_layers)
+    base, extra = divmod(num_layers, blocks)
+    return [base + 1 if b < extra else base for b in range(blocks)]
+
+
+def band_of_layers(num_layers: int, blocks: int) -> list[int]:
+    """The band index of every layer, e.g. ``band_of_layers(5, 2) == [0, 0, 0, 1, 1]``."""
+    out: list[int] = []
+    for band, size in enumerate(band_sizes(num_layers, blocks)):
+        out.extend([band] * size)
+    return out

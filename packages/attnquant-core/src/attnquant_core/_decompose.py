@@ -1,0 +1,194 @@
+"""Decomposition: band means, least-squares row scales, truncated SVD of the residual."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ._bands import band_of_layers, band_sizes, resolve_blocks
+from ._errors import DecompositionError
+from ._svd import compute_dtype, truncated_svd
+from ._theta import FamilyTheta, LayerTheta
+
+__all__ = [
+    "FamilyErrors",
+    "LayerFit",
+    "SVDOptions",
+    "decompose_family",
+    "fit_layer",
+    "pooled_error",
+    "row_scale",
+]
+
+
+def pooled_error(errors: Sequence[float], norms: Sequence[float]) -> float:
+    """Relative Frobenius error of a set of layers from each layer's error and norm."""
+    num = sum((e * n) ** 2 for e, n in zip(errors, norms, strict=True))
+    den = sum(n**2 for n in norms)
+    return float(np.sqrt(num / den)) if den > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FamilyErrors:
+    """Per-layer relative errors and weight norms of one decomposed family."""
+
+    errors: list[float]
+    norms: list[float]
+
+    @property
+    def total(self) -> float:
+        """The family's relative Frobenius error over all its layers."""
+        return pooled_error(self.errors, self.norms)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SVDOptions:
+    """Settings of the truncated SVD (see :func:`attnquant_core.truncated_svd`)."""
+
+    n_oversamples: int = 10
+    n_iter: int | Literal["auto"] = "auto"
+    random_state: int = 0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "n_oversamples": self.n_oversamples,
+            "n_iter": self.n_iter,
+            "random_state": self.random_state,
+        }
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """One layer fitted against its band's ``W0``: the stored tensors and the achieved error."""
+
+    theta: LayerTheta
+    error: float  # ||W - W_eff|| / ||W|| (Frobenius), W_eff rebuilt from the stored tensors
+    norm: float  # ||W|| (Frobenius), to pool layer errors into a family error
+    singular_values: np.ndarray
+
+
+def row_scale(W: np.ndarray, W0: np.ndarray) -> np.ndarray:
+    """Least-squares per-row scale ``s[o] = <W[o], W0[o]> / <W0[o], W0[o]>``, 0 for zero rows of ``W0``."""
+    num = np.einsum("oi,oi->o", W, W0)
+    den = np.einsum("oi,oi->o", W0, W0)
+    s = np.zeros_like(den)
+    np.divide(num, den, out=s, where=den > 0)
+    return s
+
+
+def check_rank(name: str, shape: tuple[int, int], rank: int) -> int:
+    """``rank`` as an int within ``0..min(out, in)``, else an error naming the family."""
+    if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or rank < 0:
+        raise DecompositionError(f"{name}: rank must be a non-negative int, got {rank!r}")
+    if rank > min(shape):
+        raise DecompositionError(
+            f"{name}: rank={rank} exceeds min(out, in)={min(shape)} for weights of shape "
+            f"{list(shape)}; choose rank <= {min(shape)}"
+        )
+    return int(rank)
+
+
+def fit_layer(
+    W: np.ndarray,
+    W0: np.ndarray,
+    rank: int,
+    *,
+    dtype: np.dtype,
+    svd: SVDOptions = SVDOptions(),
+    seed: Sequence[int] = (),
+) -> LayerFit:
+    """Fit ``W ≈ diag(s) W0 + U V^T`` and round every stored tensor to ``dtype``.
+
+    ``W0`` must already be the stored (rounded) shared block, so the residual is taken against
+    exactly what a reader will rebuild from. Computes in float32 (float64 for float64 input).
+    """
+    cdt = compute_dtype(np.result_type(W.dtype, dtype))
+    Wc = np.asarray(W, dtype=cdt)
+    W0c = np.asarray(W0, dtype=cdt)
+    s = row_scale(Wc, W0c).astype(dtype)
+    R = Wc - s.astype(cdt)[:, np.newaxis] * W0c
+    low = truncated_svd(
+        R,
+        rank,
+        n_oversamples=svd.n_oversamples,
+        n_iter=svd.n_iter,
+        random_state=np.random.default_rng([svd.random_state, *seed]),
+    )
+    U, V = low.U.astype(dtype), low.V.astype(dtype)
+    # The achieved error, from what is stored: R - U V^T is W - W_eff.
+    if rank:
+        R -= U.astype(cdt) @ V.astype(cdt).T
+    norm = float(np.linalg.norm(Wc))
+    error = float(np.linalg.norm(R)) / norm if norm > 0 else 0.0
+    return LayerFit(LayerTheta(s=s, U=U, V=V), error, norm, low.S)
+
+
+def band_mean(weights: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    """Mean of a band's weights, accumulated in the compute dtype, rounded to ``dtype``."""
+    cdt = compute_dtype(np.result_type(weights[0].dtype, dtype))
+    acc = np.zeros(weights[0].shape, cdt)
+    for W in weights:
+        acc += W
+    acc /= len(weights)
+    return acc.astype(dtype)
+
+
+def decompose_family(
+    weights: Sequence[np.ndarray],
+    *,
+    blocks: int | str = 1,
+    rank: int = 16,
+    name: str = "family",
+    dtype: np.dtype | type | None = None,
+    svd: SVDOptions = SVDOptions(),
+) -> tuple[FamilyTheta, FamilyErrors]:
+    """Decompose one family held in memory into a :class:`FamilyTheta`.
+
+    Parameters
+    ----------
+    weights : sequence of ndarray of shape (out, in)
+        The family's weights, one per layer, in layer order.
+    blocks : int or "layers", default=1
+        ``G``, the number of contiguous bands; "layers" is passthrough (``G = L``).
+    rank : int, default=16
+        Rank of the per-layer correction.
+    dtype : dtype, optional
+        Storage dtype of the bundle; defaults to the weights' dtype.
+
+    Returns
+    -------
+    theta : FamilyTheta
+    errors : FamilyErrors
+        Per-layer relative Frobenius error of the rebuilt weight, and each weight's norm.
+    """
+    if not len(weights):
+        raise DecompositionError(f"{name}: no weights to decompose")
+    shape = weights[0].shape
+    for i, W in enumerate(weights):
+        if W.ndim != 2 or W.shape != shape:
+            raise DecompositionError(
+                f"{name}: shape mismatch inside the family: layer {i} is {list(W.shape)}, "
+                f"layer 0 is {list(shape)}"
+            )
+        if not np.isfinite(W).all():
+            raise DecompositionError(f"{name}: layer {i} holds NaN/Inf values")
+    dtype = np.dtype(dtype or weights[0].dtype)
+    rank = check_rank(name, shape, rank)
+    G = resolve_blocks(blocks, len(weights))
+    bands = band_of_layers(len(weights), G)
+    shared, layers, errors, norms = [], [], [], []
+    start = 0
+    for b, size in enumerate(band_sizes(len(weights), G)):
+        W0 = band_mean(weights[start : start + size], dtype)
+        shared.append(W0)
+        for layer in range(start, start + size):
+            fit = fit_layer(weights[layer], W0, rank, dtype=dtype, svd=svd, seed=(b, layer))
+            layers.append(fit.theta)
+            errors.append(fit.error)
+            norms.append(fit.norm)
+        start += size
+    theta = FamilyTheta(name=name, shared=tuple(shared), bands=tuple(bands), layers=tuple(layers))
+    return theta, FamilyErrors(errors, norms)

@@ -1,0 +1,31 @@
+"""Exception hierarchy: each class subclasses the nearest builtin so callers can catch either."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AttnquantError",
+    "BandMismatchError",
+    "CheckpointError",
+    "DecompositionError",
+    "ThetaFormatError",
+]
+
+
+class AttnquantError(Exception):
+    """Base class of every error attnquant raises on purpose."""
+
+
+class CheckpointError(AttnquantError, ValueError):
+    """A checkpoint on disk is missing, truncated, inconsistent or not understood."""
+
+
+class ThetaFormatError(CheckpointError):
+    """A theta checkpoint breaks the format contract (DESIGN §4)."""
+
+
+class BandMismatchError(ThetaFormatError):
+    """Theta keys do not match a shape- and band-compatible shared block ``W0``."""
+
+
+class DecompositionError(AttnquantError, ValueError):
+    """The arguments of a decomposition cannot be satisfied (rank, blocks, weights)."""
