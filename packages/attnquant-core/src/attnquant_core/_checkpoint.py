@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ._errors import CheckpointError
-from ._safetensors_io import SafetensorsFiles, TensorSpec
+from ._safetensors_io import SafetensorsFiles, TensorSpec, is_float
 
 __all__ = [
     "FAMILIES",
@@ -100,7 +100,7 @@ class Checkpoint:
     def get(self, key: str, *, check_finite: bool = False) -> np.ndarray:
         """Read one tensor in its stored dtype; ``check_finite`` refuses NaN/Inf naming the key."""
         array = self.tensors.get(key)
-        if check_finite and array.dtype.kind == "f" and not np.isfinite(array).all():
+        if check_finite and is_float(array.dtype) and not np.isfinite(array).all():
             bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
             raise CheckpointError(
                 f"{self.tensors.file_of(key)}: {key} holds {bad} NaN/Inf values; "
@@ -192,7 +192,7 @@ def _detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInf
                     f"{path}: shape mismatch inside family {name}: {key} is "
                     f"{list(spec.shape)} but {keys[0]} is {list(first.shape)}"
                 )
-            if spec.dtype.kind != "f" or spec.dtype != first.dtype:
+            if not is_float(spec.dtype) or spec.dtype != first.dtype:
                 raise CheckpointError(
                     f"{path}: {key} has dtype {spec.dtype}, expected one float dtype "
                     f"across the family ({first.dtype})"

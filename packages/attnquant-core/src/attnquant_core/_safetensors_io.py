@@ -20,7 +20,14 @@ from safetensors import SafetensorError, safe_open
 
 from ._errors import CheckpointError
 
-__all__ = ["PlannedWriter", "SafetensorsFiles", "TensorSpec", "dtype_from_name", "dtype_name"]
+__all__ = [
+    "PlannedWriter",
+    "SafetensorsFiles",
+    "TensorSpec",
+    "dtype_from_name",
+    "dtype_name",
+    "is_float",
+]
 
 _NAME_TO_DTYPE: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -40,6 +47,16 @@ _NAME_TO_DTYPE: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 _DTYPE_TO_NAME = {v: k for k, v in _NAME_TO_DTYPE.items()}
+
+
+def is_float(dtype: np.dtype | type) -> bool:
+    """True for numpy floats and the ml_dtypes floats (bfloat16, float8), whose kind is not 'f'."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype in (
+        _NAME_TO_DTYPE["BF16"],
+        _NAME_TO_DTYPE["F8_E4M3"],
+        _NAME_TO_DTYPE["F8_E5M2"],
+    )
 
 
 def dtype_name(dtype: np.dtype | type) -> str:

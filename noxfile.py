@@ -1,0 +1,125 @@
+"""Sessions: lint, one test session per package (synced alone), integration, build, bench, gpu.
+
+Every session installs from ``uv.lock`` into its own environment, so a package's test session
+proves that the package installs and passes with nothing but its own dependencies.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.error_on_missing_interpreters = True
+nox.needs_version = ">=2024.4.15"
+
+ROOT = Path(__file__).parent
+PACKAGES = ("core", "kernels", "max", "cli")
+# No session may reach a model hub or phone home.
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "MAX_SERVE_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def sync(session: nox.Session, *args: str) -> None:
+    """Install from the lock into this session's environment (never re-resolving)."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--no-default-groups",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )
+
+
+@nox.session(tags=["lint"])
+def lint(session: nox.Session) -> None:
+    """ruff format --check and ruff check over the whole tree."""
+    sync(session, "--only-group", "dev")
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+
+
+def _package_tests(pkg: str):
+    def run(session: nox.Session) -> None:
+        sync(session, "--package", f"attnquant-{pkg}", "--group", "test")
+        if pkg == "core":  # attnquant-core must stand without MAX
+            session.run(
+                "python",
+                "-c",
+                "import importlib.util, sys; "
+                "sys.exit('max is importable in the core env' if importlib.util.find_spec('max') else 0)",
+            )
+        session.run("pytest", f"packages/attnquant-{pkg}/tests", *session.posargs, env=OFFLINE)
+
+    run.__doc__ = f"Tests of attnquant-{pkg}, in an environment holding only that package."
+    return run
+
+
+for _pkg in PACKAGES:
+    nox.session(_package_tests(_pkg), name=f"tests-{_pkg}", tags=["tests"])
+
+
+@nox.session(tags=["tests"])
+def integration(session: nox.Session) -> None:
+    """Cross-package tests (root tests/): CLI round trips, serving end to end through MAX."""
+    sync(session, "--all-packages", "--group", "dev", "--group", "test-integration")
+    session.run("pytest", "tests", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build every wheel and sdist, then check what each wheel ships."""
+    sync(session, "--only-group", "dev")
+    dist = Path(session.create_tmp()) / "dist"
+    session.run("uv", "build", "--all-packages", "--out-dir", str(dist), "--quiet")
+    wheels = sorted(dist.glob("*.whl"))
+    sdists = sorted(dist.glob("*.tar.gz"))
+    if len(wheels) != len(PACKAGES) or len(sdists) != len(PACKAGES):
+        session.error(f"expected {len(PACKAGES)} wheels and sdists, got {wheels + sdists}")
+    for pkg in PACKAGES:
+        module = f"attnquant_{pkg}"
+        (wheel,) = [w for w in wheels if w.name.startswith(f"{module}-")]
+        names = set(zipfile.ZipFile(wheel).namelist())
+        src = ROOT / "packages" / f"attnquant-{pkg}" / "src"
+        expected = {
+            p.relative_to(src).as_posix()
+            for p in (src / module).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+        missing = sorted(expected - names)
+        if missing:
+            session.error(f"{wheel.name} lacks {missing}")
+        if pkg == "kernels" and not any(n.endswith(".mojo") for n in names):
+            session.error(f"{wheel.name} ships no .mojo files")
+        session.log(f"{wheel.name}: {len(names)} files, all {len(expected)} source files present")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """The benchmark suite (slow, by hand): writes bench-results/*.json."""
+    sync(session, "--all-packages", "--group", "bench")
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        session.run(
+            "python",
+            str(script),
+            "--out",
+            str(out / f"{script.stem}.json"),
+            *session.posargs,
+            env=OFFLINE,
+        )
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """GPU checks (needs an NVIDIA accelerator; never part of CI)."""
+    sync(session, "--all-packages", "--group", "dev", "--group", "test-integration")
+    session.run("pytest", "tests", "-m", "gpu", *session.posargs, env={**OFFLINE, **os.environ})

@@ -1,0 +1,69 @@
+"""Helpers for tests of attnquant and of code built on it: small synthetic checkpoints.
+
+Not imported by the library itself; numpy and safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+__all__ = ["SHAPES", "make_weights", "write_checkpoint"]
+
+SHAPES = {
+    "self_attn.q_proj": (32, 24),
+    "self_attn.k_proj": (8, 24),
+    "self_attn.v_proj": (8, 24),
+    "self_attn.o_proj": (24, 32),
+    "mlp.gate_proj": (40, 24),
+    "mlp.up_proj": (40, 24),
+    "mlp.down_proj": (24, 40),
+}
+
+
+def make_weights(
+    num_layers: int = 4,
+    *,
+    dtype: np.dtype | type = np.float32,
+    prefix: str = "model",
+    seed: int = 0,
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+) -> dict[str, np.ndarray]:
+    """Correlated layers (a shared part plus noise), like a trained stack, plus non-projection keys."""
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {}
+    for family, shape in shapes.items():
+        base = rng.standard_normal(shape)
+        for layer in range(num_layers):
+            W = base + 0.5 * rng.standard_normal(shape)
+            tensors[f"{prefix}.layers.{layer}.{family}.weight"] = W.astype(dtype)
+    hidden = shapes["self_attn.q_proj"][1]
+    tensors[f"{prefix}.embed_tokens.weight"] = rng.standard_normal((16, hidden)).astype(dtype)
+    tensors[f"{prefix}.norm.weight"] = np.ones(hidden, dtype)
+    return tensors
+
+
+def write_checkpoint(directory: Path, tensors: dict[str, np.ndarray], *, shards: int = 1) -> Path:
+    """Write ``tensors`` as a Hugging Face directory, sharded with an index when ``shards > 1``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (directory / "tokenizer.json").write_text("{}")
+    keys = sorted(tensors)
+    if shards == 1:
+        safetensors.numpy.save_file(
+            {k: np.ascontiguousarray(tensors[k]) for k in keys}, directory / "model.safetensors"
+        )
+        return directory
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: np.ascontiguousarray(tensors[k]) for k in keys[i::shards]}
+        safetensors.numpy.save_file(part, directory / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return directory
