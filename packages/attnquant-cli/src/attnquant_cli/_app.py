@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -38,16 +37,6 @@ out = Console()
 @app.callback()
 def _root() -> None:
     """Compress decoder LLM projections into theta bundles and serve them through MAX."""
-
-
-def _blocks(value: str) -> int | str:
-    text = value.strip().lower()
-    if text == "layers":
-        return "layers"
-    try:
-        return int(text)
-    except ValueError:
-        raise typer.BadParameter(f"{value!r} is not an integer or 'layers'") from None
 
 
 @app.command()
@@ -80,7 +69,7 @@ def decompose(
             progress.update(tasks[event.family], advance=1, error=event.error)
 
         manifest = decompose_checkpoint(
-            src, output, blocks=_blocks(blocks), rank=rank, progress=report, overwrite=overwrite
+            src, output, blocks=blocks, rank=rank, progress=report, overwrite=overwrite
         )
     table = Table(title=f"{output}  (G={manifest['blocks']}, r={manifest['rank']})")
     for col in ("family", "shape", "bands", "rank", "rel. error", "stored / dense"):
@@ -110,14 +99,14 @@ def cli(args: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         result = app(args=list(args) if args is not None else None, standalone_mode=False)
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         return exc.exit_code
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         console.print("aborted")
         return 130
+    except typer.TyperException as exc:  # usage errors: typer prints them like click does
+        exc.show()  # type: ignore[attr-defined]
+        return int(getattr(exc, "exit_code", 2))
     except (AttnquantError, FileExistsError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2

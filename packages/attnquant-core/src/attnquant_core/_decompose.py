@@ -109,7 +109,8 @@ def fit_layer(
     Wc = np.asarray(W, dtype=cdt)
     W0c = np.asarray(W0, dtype=cdt)
     s = row_scale(Wc, W0c).astype(dtype)
-    R = Wc - s.astype(cdt)[:, np.newaxis] * W0c
+    R = s.astype(cdt)[:, np.newaxis] * W0c  # one [out, in] temporary: R = W - diag(s) W0
+    np.subtract(Wc, R, out=R)
     low = truncated_svd(
         R,
         rank,

@@ -9,6 +9,7 @@ follows the largest tensor, not the checkpoint.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -88,21 +89,29 @@ class TensorSpec:
 
 
 class SafetensorsFiles:
-    """Read-only view of one or more safetensors files: headers at open, data on demand."""
+    """Read-only view of one or more safetensors files: headers at open, data on demand.
+
+    Each file is validated once by the ``safetensors`` library (header, offsets, coverage), then
+    closed. :meth:`get` maps just the tensor's byte range, copies it out and unmaps it at once,
+    so the resident size of a long streamed read stays at one tensor, not at the files touched.
+    """
 
     def __init__(self, key_to_file: Mapping[str, Path]) -> None:
         self._key_to_file = dict(key_to_file)
-        self._handles: dict[Path, object] = {}
         self._specs: dict[str, TensorSpec] = {}
+        self._offsets: dict[str, int] = {}
         for path in sorted(set(self._key_to_file.values())):
-            handle = self._handle(path)
-            for key in handle.keys():
-                if self._key_to_file.get(key, path) != path:
+            with _open(path):  # validation only: raises a CheckpointError naming the file
+                pass
+            header, data_start = _read_header(path)
+            for key, entry in header.items():
+                if key == "__metadata__" or self._key_to_file.get(key, path) != path:
                     continue
-                sl = handle.get_slice(key)
+                begin, _ = entry["data_offsets"]
                 self._specs[key] = TensorSpec(
-                    dtype_from_name(sl.get_dtype()), tuple(sl.get_shape())
+                    dtype_from_name(entry["dtype"]), tuple(entry["shape"])
                 )
+                self._offsets[key] = data_start + begin
         missing = sorted(set(self._key_to_file) - set(self._specs))
         if missing:
             raise CheckpointError(
@@ -124,11 +133,6 @@ class SafetensorsFiles:
                     key_to_file[key] = path
         return cls(key_to_file)
 
-    def _handle(self, path: Path):
-        if path not in self._handles:
-            self._handles[path] = _open(path)
-        return self._handles[path]
-
     def keys(self) -> list[str]:
         """Every tensor key, in sorted order."""
         return sorted(self._specs)
@@ -148,14 +152,38 @@ class SafetensorsFiles:
         return self._key_to_file[key]
 
     def get(self, key: str) -> np.ndarray:
-        """Read one tensor (a fresh array in its stored dtype; the file stays memory-mapped)."""
-        path = self._key_to_file.get(key)
-        if path is None:
-            raise CheckpointError(f"no tensor {key!r} in the checkpoint")
+        """Read one tensor into a fresh array in its stored dtype (memory-mapped, then unmapped)."""
+        spec = self.spec(key)
+        path = self._key_to_file[key]
+        if spec.nbytes == 0:
+            return np.zeros(spec.shape, spec.dtype)
+        offset = self._offsets[key]
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:
-            return self._handle(path).get_tensor(key)
-        except SafetensorError as exc:
+            with (
+                open(path, "rb") as f,
+                mmap.mmap(
+                    f.fileno(), offset + spec.nbytes - start, offset=start, access=mmap.ACCESS_READ
+                ) as mapped,
+            ):
+                view = np.frombuffer(
+                    mapped,
+                    spec.dtype,
+                    count=spec.nbytes // spec.dtype.itemsize,
+                    offset=offset - start,
+                )
+                array = view.reshape(spec.shape).copy()
+                del view  # release the buffer so the mapping can close now
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: cannot read {key!r}: {exc}") from exc
+        return array
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a (validated) safetensors file and where its data section starts."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
 
 
 def _open(path: Path):
