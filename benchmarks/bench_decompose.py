@@ -9,7 +9,8 @@ Builds a synthetic float32 checkpoint with Gemma-3-1B projection shapes (q 1024x
   ``sklearn.utils.extmath.randomized_svd`` at the same rank, oversampling and iterations.
 
 Run: ``uv run --all-packages --group bench python benchmarks/bench_decompose.py --layers 26 52``
-(or ``uv run nox -s bench``). Prints a table and writes JSON with ``--out``.
+(or ``uv run nox -s bench``). Each side runs ``--repeats`` times in alternating order; the
+table shows medians and the JSON (``--out``) every run.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ def worker_sklearn(src: Path) -> dict:
     }
 
 
+def _median(runs: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+
+
 def _spawn(*args: str) -> dict:
     done = subprocess.run(
         [sys.executable, __file__, *args], check=True, capture_output=True, text=True
@@ -161,6 +166,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[26, 52])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--workdir", type=Path, help="where the synthetic checkpoints go")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each side (medians)")
     parser.add_argument("--worker", choices=["ours", "sklearn"], help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
@@ -178,22 +184,39 @@ def main() -> None:
     rows = []
     for L in args.layers:
         work = Path(tempfile.mkdtemp(prefix=f"aq-bench-{L}-", dir=args.workdir))
+        runs: dict[str, list[dict]] = {"ours": [], "sklearn": []}
         try:
             largest = make_checkpoint(work / "src", L)
-            ours = _spawn(
-                "--worker", "ours", "--src", str(work / "src"), "--dst", str(work / "theta")
-            )
-            ref = _spawn("--worker", "sklearn", "--src", str(work / "src"))
+            # Alternate the order across repeats so drift in machine load hits both sides.
+            for rep in range(args.repeats):
+                order = ("ours", "sklearn") if rep % 2 == 0 else ("sklearn", "ours")
+                for side in order:
+                    if side == "ours":
+                        shutil.rmtree(work / "theta", ignore_errors=True)
+                        argv = (
+                            "--worker",
+                            "ours",
+                            "--src",
+                            str(work / "src"),
+                            "--dst",
+                            str(work / "theta"),
+                        )
+                    else:
+                        argv = ("--worker", "sklearn", "--src", str(work / "src"))
+                    runs[side].append(_spawn(*argv))
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        ours, ref = _median(runs["ours"]), _median(runs["sklearn"])
         budget = 300 + 4 * largest / 2**20
         rows.append(
             {
                 "layers": L,
+                "repeats": args.repeats,
                 "largest_weight_mb": largest / 2**20,
                 "rss_budget_mb": budget,
                 "ours": ours,
                 "sklearn": ref,
+                "runs": runs,
                 "svd_time_ratio_ours_over_sklearn": ours["svd_s"] / ref["svd_s"],
                 "wall_ratio_ours_over_sklearn": ours["wall_s"] / ref["wall_s"],
                 "within_rss_budget": ours["peak_rss_mb"] < budget,

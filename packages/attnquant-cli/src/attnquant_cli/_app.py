@@ -7,6 +7,8 @@ numpy-only commands start instantly.
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +22,7 @@ from rich.table import Table
 from attnquant_core import AttnquantError, DecomposeProgress, decompose_checkpoint
 
 from ._demo import demo_model_path
+from ._prompts import VERIFY_PROMPTS
 
 __all__ = ["app", "cli", "main"]
 
@@ -94,6 +97,146 @@ def decompose(
     out.print(table)
 
 
+def _model(model: str | None) -> Path:
+    """The checkpoint a serving command acts on: the demo model when none (or 'demo') is given."""
+    return demo_model_path() if model in (None, "demo") else Path(model)
+
+
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Checkpoint directory, theta or dense; the embedded demo model if omitted."
+    ),
+]
+MaxLength = Annotated[int, typer.Option(min=8, help="Longest prompt plus completion, in tokens.")]
+MaxBatch = Annotated[int, typer.Option(min=1, help="Requests batched per forward pass.")]
+Devices = Annotated[str, typer.Option(help="MAX devices: cpu, gpu, gpu:0,1.")]
+
+
+@app.command()
+def serve(
+    model: ModelArg = None,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    devices: Devices = "cpu",
+    max_length: MaxLength = 512,
+    max_batch_size: MaxBatch = 8,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients ask for (default: the directory name).")
+    ] = None,
+) -> int:
+    """Serve MODEL behind an OpenAI-compatible endpoint through MAX (Ctrl-C stops it)."""
+    from attnquant_max import plan_serving, serve_command, serve_env
+
+    path = _model(model)
+    env = serve_env()  # validates every ATTNQUANT_* variable before anything starts
+    plan = plan_serving(path)  # validates a theta checkpoint's keys and bands
+    name = served_model_name or ("demo" if model in (None, "demo") else path.name)
+    console.print(plan.describe(), highlight=False, soft_wrap=True)
+    console.print(
+        f"OpenAI-compatible API at http://{host}:{port}/v1, model {name!r}", highlight=False
+    )
+    argv = serve_command(
+        path,
+        port=port,
+        host=host,
+        devices=devices,
+        max_length=max_length,
+        max_batch_size=max_batch_size,
+        served_model_name=name,
+    )
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """Stop the server: SIGINT (what Ctrl-C sends), then SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            break
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    console.print("attnquant: server stopped")
+    return 0
+
+
+@app.command()
+def generate(
+    model: ModelArg = None,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to complete.")] = "def ",
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 64,
+    devices: Devices = "cpu",
+    max_length: MaxLength = 512,
+    max_batch_size: MaxBatch = 8,
+) -> int:
+    """Complete PROMPT greedily with MODEL (raw completion, no chat template)."""
+    from attnquant_max import greedy_generate, load_pipeline, plan_serving
+
+    path = _model(model)
+    console.print(plan_serving(path).describe(), highlight=False, soft_wrap=True)
+    with load_pipeline(
+        path, max_length=max_length, max_batch_size=max_batch_size, devices=devices
+    ) as loaded:
+        ids = loaded.encode(prompt)
+        new = greedy_generate(loaded, ids, max_new_tokens)
+        out.print(prompt + loaded.decode(new), highlight=False, markup=False)
+    return 0
+
+
+@app.command()
+def verify(
+    base: Annotated[Path, typer.Argument(help="The base (dense) checkpoint.")],
+    theta: Annotated[Path, typer.Argument(help="The checkpoint to check: theta or dense.")],
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per prompt.")] = 32,
+    prompts: Annotated[
+        Path | None, typer.Option(help="A file with one prompt per line (default: built-in set).")
+    ] = None,
+    devices: Devices = "cpu",
+    max_length: MaxLength = 512,
+    max_batch_size: MaxBatch = 8,
+) -> int:
+    """Logit parity of THETA against BASE; exit 1 when not native-equivalent."""
+    from attnquant_max import AGREEMENT_THRESHOLD, DELTA_THRESHOLD, logit_parity
+
+    texts = list(VERIFY_PROMPTS)
+    if prompts is not None:
+        texts = [line for line in prompts.read_text().splitlines() if line.strip()]
+        if not texts:
+            raise typer.BadParameter(f"{prompts}: no prompts in the file")
+    report = logit_parity(
+        base,
+        theta,
+        texts,
+        max_new_tokens,
+        max_length=max_length,
+        max_batch_size=max_batch_size,
+        devices=devices,
+    )
+    verdict = "native-equivalent" if report.native_equivalent else "NOT native-equivalent"
+    table = Table(title=f"verify {theta} against {base}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("bound", justify="right")
+    table.add_row(
+        "max |logprob delta|", f"{report.max_abs_logprob_delta:.3g}", f"< {DELTA_THRESHOLD}"
+    )
+    table.add_row("greedy agreement", f"{report.agreement:.1%}", f">= {AGREEMENT_THRESHOLD:.0%}")
+    table.add_row(
+        "prompts x tokens",
+        f"{report.num_prompts} x {report.num_tokens // max(report.num_prompts, 1)}",
+        "",
+    )
+    out.print(table)
+    out.print(f"verdict: {verdict}")
+    return 0 if report.native_equivalent else 1
+
+
 def cli(args: Sequence[str] | None = None) -> int:
     """Run the command line and return its exit code (tests call this directly)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -107,7 +250,13 @@ def cli(args: Sequence[str] | None = None) -> int:
     except typer.TyperException as exc:  # usage errors: typer prints them like click does
         exc.show()  # type: ignore[attr-defined]
         return int(getattr(exc, "exit_code", 2))
-    except (AttnquantError, FileExistsError, FileNotFoundError) as exc:
+    except (
+        AttnquantError,
+        ValueError,
+        NotImplementedError,
+        FileExistsError,
+        FileNotFoundError,
+    ) as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
     return result if isinstance(result, int) else 0

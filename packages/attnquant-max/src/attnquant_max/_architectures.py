@@ -1,0 +1,122 @@
+"""MAX architectures that serve theta checkpoints on the precompute-outside path.
+
+Each one is a stock MAX architecture under its stock name (so ``config.json``
+stays readable by transformers, and registering it overrides the built-in),
+changed in one place only: how weights are loaded (:mod:`._weights`). The
+model, its graph and its kernels are MAX's.
+
+* ``LlamaForCausalLM`` and ``Gemma3ForCausalLM`` load through a weight adapter:
+  their stock adapters are wrapped.
+* ``Gemma3ForConditionalGeneration`` and ``Gemma4ForConditionalGeneration``
+  read ``self.weights`` directly and take no adapter in MAX 26.7, so a subclass
+  of their pipeline model swaps the rebuilt weights in before the stock load.
+
+Gemma3/Gemma4 are GPU-only in MAX (bf16 encodings); only Llama runs on CPU.
+Importing this module imports ``max.pipelines`` (~15 s): MAX does it when it
+loads ``--custom-architectures``; nothing else in attnquant-max does at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from max.graph.weights import WeightsFormat
+from max.pipelines.architectures.gemma3 import gemma3_arch
+from max.pipelines.architectures.gemma3 import weight_adapters as gemma3_adapters
+from max.pipelines.architectures.gemma3multimodal import (
+    Gemma3_MultiModalModel as _StockGemma3MultiModalModel,
+)
+from max.pipelines.architectures.gemma3multimodal import gemma3_multimodal_arch
+from max.pipelines.architectures.gemma4 import Gemma3_MultiModalModel as _StockGemma4Model
+from max.pipelines.architectures.gemma4 import gemma4_arch
+from max.pipelines.architectures.llama3 import llama_arch
+from max.pipelines.architectures.llama3 import weight_adapters as llama_adapters
+from max.pipelines.lib import SupportedArchitecture
+
+from ._weights import (
+    ArrayWeights,
+    check_state_keys,
+    expected_llama_keys,
+    expected_uniform_keys,
+    rebuilt_weights,
+    wrap_weight_adapter,
+)
+
+__all__ = ["ARCHITECTURES", "build_architectures"]
+
+
+def _text_config(hf_config: Any) -> Any:
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def _llama_expected(hf_config: Any, state: Mapping[str, Any]) -> set[str]:
+    return expected_llama_keys(hf_config)
+
+
+def _uniform_expected(hf_config: Any, state: Mapping[str, Any]) -> set[str]:
+    return expected_uniform_keys(state.keys(), int(_text_config(hf_config).num_hidden_layers))
+
+
+class _WeightsMap:
+    """Rebuilt weights in the shape of MAX's ``Weights`` as the Gemma models read them."""
+
+    def __init__(self, weights: dict[str, ArrayWeights], original: Any) -> None:
+        self._weights = weights
+        self._original = original
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._weights.items())
+
+    def close(self) -> None:
+        close = getattr(self._original, "close", None)
+        if close is not None:
+            close()
+
+
+class _RebuildingLoadMixin:
+    """Swap ``self.weights`` for the rebuilt state before the stock ``_load_state_dict``.
+
+    Only leftover theta keys are checked here: Gemma4 layers are not uniform
+    (global layers may share k and v), so no per-layer set is assumed.
+    """
+
+    weights: Any
+    pipeline_config: Any
+    huggingface_config: Any
+
+    def _load_state_dict(self) -> dict[str, Any]:
+        weights, plan = rebuilt_weights(dict(self.weights.items()), self.pipeline_config)
+        check_state_keys(weights, (), model_path=plan.model_path)
+        if plan.rebuilds:
+            self.weights = _WeightsMap(weights, self.weights)
+        return super()._load_state_dict()  # type: ignore[misc]
+
+
+class Gemma3MultiModalThetaModel(_RebuildingLoadMixin, _StockGemma3MultiModalModel):
+    """Stock Gemma3 (multimodal) pipeline model loading rebuilt weights."""
+
+
+class Gemma4ThetaModel(_RebuildingLoadMixin, _StockGemma4Model):
+    """Stock Gemma4 pipeline model loading rebuilt weights."""
+
+
+def _with_adapter(arch: SupportedArchitecture, stock: Any, expected: Any) -> SupportedArchitecture:
+    adapter = wrap_weight_adapter(stock, expected, name=arch.name)
+    return dataclasses.replace(arch, weight_adapters={WeightsFormat.safetensors: adapter})
+
+
+def build_architectures() -> list[SupportedArchitecture]:
+    """The attnquant variants of the stock MAX architectures, stock names kept."""
+    return [
+        _with_adapter(llama_arch, llama_adapters.convert_safetensor_state_dict, _llama_expected),
+        _with_adapter(
+            gemma3_arch, gemma3_adapters.convert_safetensor_state_dict, _uniform_expected
+        ),
+        dataclasses.replace(gemma3_multimodal_arch, pipeline_model=Gemma3MultiModalThetaModel),
+        dataclasses.replace(gemma4_arch, pipeline_model=Gemma4ThetaModel),
+    ]
+
+
+ARCHITECTURES: list[SupportedArchitecture] = build_architectures()

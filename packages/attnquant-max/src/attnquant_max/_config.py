@@ -1,0 +1,250 @@
+"""Runtime configuration: every ``ATTNQUANT_*`` variable, parsed once.
+
+The table of variables is DESIGN §3. :meth:`AttnquantConfig.from_env` reads an
+environment mapping (``os.environ`` by default) and fails on the first bad value
+with a :class:`ConfigError` that names the variable, the value and what is
+allowed, so a typo stops the server at start-up instead of serving something
+else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "ENV_VARIABLES",
+    "AttnquantConfig",
+    "ConfigError",
+    "require_implemented",
+    "use_gemm_formulation",
+]
+
+logger = logging.getLogger(__name__)
+
+Passthrough = Literal["layers"]
+Quant = Literal["nvfp4"]
+
+#: Every variable this package reads, with its default as a user would write it.
+ENV_VARIABLES: dict[str, str] = {
+    "ATTNQUANT_BLOCKS": "unset (the caller's default)",
+    "ATTNQUANT_RANK": "16",
+    "ATTNQUANT_PRECOMPUTE_OUTSIDE": "1",
+    "ATTNQUANT_PRECOMPUTE": "0",
+    "ATTNQUANT_GEMM": "unset (auto)",
+    "ATTNQUANT_QKV_FUSE": "1",
+    "ATTNQUANT_FUSED_MLP": "1",
+    "ATTNQUANT_QUANT": "unset",
+}
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_BOOL_ALLOWED = "one of 1/0, true/false, yes/no, on/off"
+
+# Largest rank the custom op (`generated_linear`) accepts; above it the GEMM
+# formulation is the only in-graph path.
+CUSTOM_OP_MAX_RANK = 64
+
+
+class ConfigError(ValueError):
+    """An ``ATTNQUANT_*`` variable holds a value that is not allowed."""
+
+    def __init__(self, variable: str, value: str, allowed: str) -> None:
+        self.variable = variable
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{variable}={value!r} is not valid: expected {allowed}.")
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    """The stripped value of ``name``; an empty string counts as unset."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return raw.strip()
+
+
+def _parse_bool(env: Mapping[str, str], name: str, default: bool | None) -> bool | None:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ConfigError(name, raw, _BOOL_ALLOWED + (" or unset (auto)" if default is None else ""))
+
+
+def _parse_blocks(env: Mapping[str, str]) -> int | Passthrough | None:
+    name = "ATTNQUANT_BLOCKS"
+    raw = _get(env, name)
+    if raw is None:
+        return None
+    if raw.lower() == "layers":
+        return "layers"
+    allowed = "a whole number >= 1, or 'layers' for passthrough (one block per layer)"
+    try:
+        blocks = int(raw)
+    except ValueError:
+        raise ConfigError(name, raw, allowed) from None
+    if blocks < 1:
+        raise ConfigError(name, raw, allowed)
+    return blocks
+
+
+def _parse_rank(env: Mapping[str, str]) -> int:
+    name = "ATTNQUANT_RANK"
+    raw = _get(env, name)
+    if raw is None:
+        return 16
+    allowed = "a whole number >= 0"
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise ConfigError(name, raw, allowed) from None
+    if rank < 0:
+        raise ConfigError(name, raw, allowed)
+    return rank
+
+
+def _parse_quant(env: Mapping[str, str]) -> Quant | None:
+    name = "ATTNQUANT_QUANT"
+    raw = _get(env, name)
+    if raw is None:
+        return None
+    if raw.lower() == "nvfp4":
+        return "nvfp4"
+    raise ConfigError(name, raw, "'nvfp4' or unset (no quantization)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttnquantConfig:
+    """The runtime configuration of DESIGN §3, one field per variable.
+
+    Attributes
+    ----------
+    blocks : int, "layers" or None
+        ``ATTNQUANT_BLOCKS``: number of shared blocks ``G``; ``"layers"`` is
+        passthrough; ``None`` (unset) means "the caller's default" (``1`` for
+        analysis, passthrough when serving a dense checkpoint).
+    rank : int
+        ``ATTNQUANT_RANK``: rank ``r`` of the correction.
+    precompute_outside : bool
+        ``ATTNQUANT_PRECOMPUTE_OUTSIDE``: rebuild ``W_eff`` once at load.
+    precompute : bool
+        ``ATTNQUANT_PRECOMPUTE``: rebuild ``W_eff`` inside the graph.
+    gemm : bool or None
+        ``ATTNQUANT_GEMM``: in-graph formulation, ``None`` = automatic.
+    qkv_fuse : bool
+        ``ATTNQUANT_QKV_FUSE``: GEMM path batches q/k/v into two dispatches.
+    fused_mlp : bool
+        ``ATTNQUANT_FUSED_MLP``: custom-op path runs the MLP in one dispatch.
+    quant : "nvfp4" or None
+        ``ATTNQUANT_QUANT``: quantize each ``W_eff`` at load.
+    """
+
+    blocks: int | Passthrough | None = None
+    rank: int = 16
+    precompute_outside: bool = True
+    precompute: bool = False
+    gemm: bool | None = None
+    qkv_fuse: bool = True
+    fused_mlp: bool = True
+    quant: Quant | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None and self.blocks != "layers":
+            if isinstance(self.blocks, bool) or not isinstance(self.blocks, int):
+                raise ConfigError("ATTNQUANT_BLOCKS", str(self.blocks), "an int >= 1 or 'layers'")
+            if self.blocks < 1:
+                raise ConfigError("ATTNQUANT_BLOCKS", str(self.blocks), "an int >= 1 or 'layers'")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError("ATTNQUANT_RANK", str(self.rank), "a whole number >= 0")
+        if self.quant not in (None, "nvfp4"):
+            raise ConfigError("ATTNQUANT_QUANT", str(self.quant), "'nvfp4' or unset")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AttnquantConfig:
+        """Parse every ``ATTNQUANT_*`` variable of ``env`` (``os.environ`` by default).
+
+        Raises
+        ------
+        ConfigError
+            A variable holds a value that is not allowed; the message names the
+            variable, the value and what is allowed.
+        """
+        env = os.environ if env is None else env
+        return cls(
+            blocks=_parse_blocks(env),
+            rank=_parse_rank(env),
+            precompute_outside=bool(_parse_bool(env, "ATTNQUANT_PRECOMPUTE_OUTSIDE", True)),
+            precompute=bool(_parse_bool(env, "ATTNQUANT_PRECOMPUTE", False)),
+            gemm=_parse_bool(env, "ATTNQUANT_GEMM", None),
+            qkv_fuse=bool(_parse_bool(env, "ATTNQUANT_QKV_FUSE", True)),
+            fused_mlp=bool(_parse_bool(env, "ATTNQUANT_FUSED_MLP", True)),
+            quant=_parse_quant(env),
+        )
+
+    @property
+    def passthrough(self) -> bool:
+        """Whether ``blocks`` asks for passthrough (``G = L``) explicitly."""
+        return self.blocks == "layers"
+
+
+def require_implemented(config: AttnquantConfig) -> None:
+    """Fail when ``config`` asks for an execution path this release does not serve.
+
+    Only precompute-outside (DESIGN §5.1) is wired into the MAX architectures.
+    Anything else must stop the server at start-up rather than silently serve
+    the production path.
+
+    Raises
+    ------
+    NotImplementedError
+        Naming the variable to change.
+    """
+    if config.quant is not None:
+        raise NotImplementedError(
+            f"ATTNQUANT_QUANT={config.quant} is not implemented yet in attnquant-max: "
+            "only unquantized serving is available. Unset ATTNQUANT_QUANT."
+        )
+    if config.precompute:
+        raise NotImplementedError(
+            "ATTNQUANT_PRECOMPUTE=1 (rebuild W_eff inside the graph on every forward) is "
+            "not implemented yet in attnquant-max. Unset it to serve with "
+            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1, the production path."
+        )
+    if not config.precompute_outside:
+        raise NotImplementedError(
+            "ATTNQUANT_PRECOMPUTE_OUTSIDE=0 asks for an in-graph theta path, which is not "
+            "implemented yet in attnquant-max. Set ATTNQUANT_PRECOMPUTE_OUTSIDE=1 "
+            "(the default) to rebuild W_eff once at load."
+        )
+
+
+def use_gemm_formulation(config: AttnquantConfig, accelerator_api: str) -> bool:
+    """Choose the in-graph formulation: ``True`` for GEMM, ``False`` for the custom op.
+
+    Parameters
+    ----------
+    config : AttnquantConfig
+        An explicit ``ATTNQUANT_GEMM`` (``config.gemm``) always wins.
+    accelerator_api : str
+        ``max.driver.accelerator_api()``: ``"cuda"``, ``"hip"``, ``"metal"`` or
+        ``"cpu"``.
+    """
+    if config.gemm is not None:
+        return config.gemm
+    api = accelerator_api.lower()
+    if api == "cuda":
+        # NVIDIA: cuBLAS-class GEMMs beat an element-wise rebuild kernel.
+        return True
+    if api == "metal":
+        # Apple Metal: the custom op up to the rank it supports, GEMM above.
+        return config.rank > CUSTOM_OP_MAX_RANK
+    # CPU (and anything else): GEMM for now. The figure that settles this comes
+    # from `attnquant bench` of both paths on the reference machine, not yet run.
+    return True

@@ -1,0 +1,286 @@
+"""In-process generation through MAX: greedy tokens, teacher-forced log-probs, logit parity.
+
+The primitives behind ``attnquant verify`` and ``attnquant generate``. ``max.pipelines``
+takes ~15 s to import, so it is imported inside :func:`load_pipeline` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._config import AttnquantConfig, require_implemented
+from ._serve import architectures_path
+from ._weights import config_override
+
+__all__ = [
+    "AGREEMENT_THRESHOLD",
+    "DELTA_THRESHOLD",
+    "LoadedModel",
+    "ParityReport",
+    "greedy_generate",
+    "greedy_logprobs",
+    "load_pipeline",
+    "logit_parity",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Native-equivalent (DESIGN §5): max |logprob delta| below this ...
+DELTA_THRESHOLD = 1.0
+#: ... and greedy-token agreement at least this.
+AGREEMENT_THRESHOLD = 0.9
+
+
+@dataclass
+class LoadedModel:
+    """A MAX text-generation model loaded in-process, with its tokenizer.
+
+    Close it (or use it as a context manager) to release the KV cache.
+    """
+
+    path: Path
+    model: Any  # max.pipelines.AutoModel
+    tokenizer: Any  # max.pipelines.AutoTokenizer
+    max_batch_size: int
+    max_length: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as a completion prompt (special tokens added as serve does)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def close(self) -> None:
+        self.model.close()
+
+    def __enter__(self) -> LoadedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_pipeline(
+    model_path: str | os.PathLike[str],
+    *,
+    max_length: int,
+    max_batch_size: int = 1,
+    devices: str = "cpu",
+    quantization_encoding: str | None = None,
+    config: AttnquantConfig | None = None,
+) -> LoadedModel:
+    """Load ``model_path`` (theta or dense) through the attnquant MAX architectures.
+
+    Parameters
+    ----------
+    model_path : path
+        A local checkpoint directory.
+    max_length : int
+        Longest prompt plus continuation, in tokens.
+    max_batch_size : int
+        Rows per forward; teacher-forced scoring batches prefixes up to this.
+    devices : str
+        MAX's devices string: ``"cpu"``, ``"gpu"``, ``"gpu:0"``.
+    quantization_encoding : str, optional
+        ``float32`` on CPU when not given; MAX's default elsewhere.
+    config : AttnquantConfig, optional
+        Used for this load instead of the ``ATTNQUANT_*`` variables.
+    """
+    effective = AttnquantConfig.from_env() if config is None else config
+    require_implemented(effective)
+    if quantization_encoding is None and devices == "cpu":
+        quantization_encoding = "float32"
+    from max.pipelines import AutoModel, AutoTokenizer
+
+    overrides: dict[str, object] = {
+        "max_length": max_length,
+        "custom_architectures": [str(architectures_path())],
+    }
+    if quantization_encoding is not None:
+        overrides["quantization_encoding"] = quantization_encoding
+    with config_override(effective):
+        model = AutoModel(
+            str(model_path), max_batch_size=max_batch_size, devices=devices, **overrides
+        )
+    tokenizer = AutoTokenizer(str(model_path))
+    return LoadedModel(
+        path=Path(model_path),
+        model=model,
+        tokenizer=tokenizer,
+        max_batch_size=max_batch_size,
+        max_length=max_length,
+    )
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def greedy_generate(model: LoadedModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """The ``max_new_tokens`` greedy (top-1) tokens after ``prompt``, EOS ignored."""
+    result = model.model.generate(
+        [list(prompt)], max_new_tokens=max_new_tokens, top_k=1, ignore_eos=True
+    )
+    return list(result.sequences[0][len(prompt) :])
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Teacher-forced scores of a continuation, one entry per continuation token.
+
+    Attributes
+    ----------
+    logprobs : ndarray of shape (n,)
+        ``log p(continuation[t] | prompt + continuation[:t])``, float64.
+    greedy : ndarray of shape (n,)
+        The model's top-1 token at each of those positions.
+    """
+
+    logprobs: np.ndarray
+    greedy: np.ndarray
+
+
+def greedy_logprobs(
+    model: LoadedModel, prompt: Sequence[int], continuation: Sequence[int]
+) -> TokenScores:
+    """Teacher-forced log-probabilities of ``continuation`` after ``prompt``.
+
+    Each prefix ``prompt + continuation[:t]`` is one row of a one-step forward
+    (rows batched up to ``model.max_batch_size``), and the next-token logits of
+    each row give ``log p(continuation[t])`` and the model's greedy token there.
+    """
+    prompt, continuation = list(prompt), list(continuation)
+    if not prompt:
+        raise ValueError("greedy_logprobs needs a non-empty prompt")
+    prefixes = [prompt + continuation[:t] for t in range(len(continuation))]
+    rows: list[np.ndarray] = []
+    for start in range(0, len(prefixes), model.max_batch_size):
+        chunk = prefixes[start : start + model.max_batch_size]
+        result = model.model.generate(
+            chunk, max_new_tokens=1, top_k=1, ignore_eos=True, output_logits=True
+        )
+        rows.extend(np.asarray(logits[0]) for logits in result.logits)
+    if not rows:
+        return TokenScores(np.zeros(0), np.zeros(0, dtype=np.int64))
+    logp = _log_softmax(np.stack(rows))
+    idx = np.arange(len(continuation))
+    return TokenScores(logprobs=logp[idx, continuation], greedy=logp.argmax(axis=-1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParityReport:
+    """Logit parity of a served theta model against its base (DESIGN §5, §6).
+
+    Attributes
+    ----------
+    max_abs_logprob_delta : float
+        Largest ``|log p_base(t) - log p_theta(t)|`` over every scored token.
+    agreement : float
+        Fraction of positions where the theta model's greedy token is the base's.
+    native_equivalent : bool
+        ``max_abs_logprob_delta < 1.0`` and ``agreement >= 0.9``.
+    num_prompts, num_tokens : int
+        What was scored.
+    """
+
+    max_abs_logprob_delta: float
+    agreement: float
+    native_equivalent: bool
+    num_prompts: int
+    num_tokens: int
+
+    @classmethod
+    def from_scores(
+        cls,
+        base: Sequence[TokenScores],
+        theta: Sequence[TokenScores],
+        tokens: Sequence[Sequence[int]],
+    ) -> ParityReport:
+        deltas = [np.abs(b.logprobs - t.logprobs) for b, t in zip(base, theta, strict=True)]
+        agree = [t.greedy == np.asarray(c) for t, c in zip(theta, tokens, strict=True)]
+        n = sum(len(c) for c in tokens)
+        delta = float(max((d.max() for d in deltas if d.size), default=0.0))
+        agreement = float(sum(int(a.sum()) for a in agree) / n) if n else 1.0
+        return cls(
+            max_abs_logprob_delta=delta,
+            agreement=agreement,
+            native_equivalent=delta < DELTA_THRESHOLD and agreement >= AGREEMENT_THRESHOLD,
+            num_prompts=len(tokens),
+            num_tokens=n,
+        )
+
+
+@contextmanager
+def _loaded(model: str | os.PathLike[str] | LoadedModel, **kwargs: Any) -> Iterator[LoadedModel]:
+    """``model`` itself when already loaded (left open), else loaded here and closed after."""
+    if isinstance(model, LoadedModel):
+        yield model
+        return
+    loaded = load_pipeline(model, **kwargs)
+    try:
+        yield loaded
+    finally:
+        loaded.close()
+
+
+def logit_parity(
+    base_path: str | os.PathLike[str] | LoadedModel,
+    theta_path: str | os.PathLike[str] | LoadedModel,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int,
+    *,
+    max_length: int = 512,
+    max_batch_size: int = 8,
+    devices: str = "cpu",
+    quantization_encoding: str | None = None,
+) -> ParityReport:
+    """Compare ``theta_path`` served by attnquant with ``base_path`` served unchanged.
+
+    The base model's greedy continuation of each prompt is generated, then scored
+    teacher-forced on both models. Each side is a checkpoint directory, loaded
+    here one at a time, or a :class:`LoadedModel` (used and left open). Prompts
+    are text (encoded with the base tokenizer) or token ids.
+
+    A base loaded here ignores ``ATTNQUANT_BLOCKS``, so a dense base is served as
+    it is; the theta side follows the ``ATTNQUANT_*`` variables.
+    """
+    config = AttnquantConfig.from_env()
+    common: dict[str, Any] = {
+        "max_length": max_length,
+        "max_batch_size": max_batch_size,
+        "devices": devices,
+        "quantization_encoding": quantization_encoding,
+    }
+    with _loaded(base_path, config=replace(config, blocks=None), **common) as base:
+        encoded = [base.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        continuations = [greedy_generate(base, ids, max_new_tokens) for ids in encoded]
+        base_scores = [
+            greedy_logprobs(base, ids, cont)
+            for ids, cont in zip(encoded, continuations, strict=True)
+        ]
+    with _loaded(theta_path, config=config, **common) as theta:
+        theta_scores = [
+            greedy_logprobs(theta, ids, cont)
+            for ids, cont in zip(encoded, continuations, strict=True)
+        ]
+    report = ParityReport.from_scores(base_scores, theta_scores, continuations)
+    logger.info(
+        "logit parity %s vs %s: max |dlogp| %.4g, agreement %.3f -> %s",
+        getattr(theta_path, "path", theta_path),
+        getattr(base_path, "path", base_path),
+        report.max_abs_logprob_delta,
+        report.agreement,
+        "native-equivalent" if report.native_equivalent else "NOT native-equivalent",
+    )
+    return report

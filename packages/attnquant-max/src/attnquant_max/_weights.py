@@ -1,0 +1,448 @@
+"""Precompute-outside (DESIGN §5.1): rebuild every ``W_eff`` at load, check the keys.
+
+The MAX architectures of this package wrap the stock weight adapters with
+:func:`wrap_weight_adapter`. At load it
+
+1. finds the model directory and decides, from ``ATTNQUANT_*`` and the checkpoint,
+   what to serve (:func:`plan_serving`): a theta checkpoint is rebuilt from its
+   theta keys; a dense one is served as is at passthrough, or decomposed at load
+   and rebuilt when ``ATTNQUANT_BLOCKS`` asks for ``G < L``;
+2. hands the rebuilt state, under the original Hugging Face names, to the stock
+   adapter, so the key renaming stays MAX's and the graph is the base model's;
+3. checks the adapter's output: every weight the stock model expects is present
+   and no theta key is left. The stock loader zero-fills a missing weight
+   without a word, so this check is what stands between a broken checkpoint and
+   a server that produces text from zeros.
+
+Nothing here imports ``max.pipelines``: the adapter receives MAX objects and uses
+only ``max.graph.weights`` and ``max.driver``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from attnquant_core import (
+    FAMILIES,
+    CheckpointError,
+    ThetaCheckpoint,
+    is_theta_checkpoint,
+    open_checkpoint,
+    rebuild_dense_state,
+)
+
+from ._config import AttnquantConfig, require_implemented
+
+__all__ = [
+    "ServingPlan",
+    "ThetaWeightAdapter",
+    "WeightKeyError",
+    "check_state_keys",
+    "config_override",
+    "expected_llama_keys",
+    "log_serving_path",
+    "model_directory",
+    "plan_serving",
+    "wrap_weight_adapter",
+]
+
+logger = logging.getLogger(__name__)
+
+#: How many offending keys an error message lists before it says "and N more".
+_MAX_LISTED = 24
+
+
+class WeightKeyError(CheckpointError):
+    """The state handed to MAX lacks a weight the model needs, or carries theta keys."""
+
+
+def _is_attnquant_key(key: str) -> bool:
+    return ".theta_" in key or key.startswith("attnquant.") or ".attnquant." in key
+
+
+def _listed(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    more = f" ... and {len(keys) - _MAX_LISTED} more" if len(keys) > _MAX_LISTED else ""
+    return ", ".join(keys[:_MAX_LISTED]) + more
+
+
+# -- what to serve -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingPlan:
+    """What a load of ``model_path`` serves, decided once from the config and the checkpoint.
+
+    Attributes
+    ----------
+    model_path : Path
+        The checkpoint directory.
+    source : "theta" or "dense"
+        A theta checkpoint (``attnquant.json`` present) or a dense one.
+    blocks : int or "layers"
+        ``G`` of the weights served; ``"layers"`` for a dense checkpoint at passthrough.
+    rank : int
+        ``r`` of the correction (``0`` for a dense checkpoint at passthrough).
+    num_layers : int
+        Decoder layers ``L``.
+    """
+
+    model_path: Path
+    source: Literal["theta", "dense"]
+    blocks: int | Literal["layers"]
+    rank: int
+    num_layers: int
+    config: AttnquantConfig = field(repr=False)
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether any ``W_eff`` is rebuilt (False: the dense weights are served unchanged)."""
+        return self.source == "theta" or self.blocks != "layers"
+
+    @property
+    def passthrough(self) -> bool:
+        """Whether ``G = L``: each layer keeps its own ``W0`` and the rebuild is exact."""
+        return self.blocks == "layers" or self.blocks == self.num_layers
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        where = f"{self.source} checkpoint {self.model_path}"
+        if not self.rebuilds:
+            return f"attnquant: serving {where} unchanged (passthrough, no rebuild)"
+        g = "layers (passthrough)" if self.passthrough else str(self.blocks)
+        how = "theta keys" if self.source == "theta" else "decomposition at load"
+        return (
+            f"attnquant: serving {where} on the precompute-outside path: W_eff = s*W0 + U V^T "
+            f"rebuilt once at load from {how}, G={g}, r={self.rank}, L={self.num_layers}"
+        )
+
+    def state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every dense key of the model with its array (original names, source dtype)."""
+        if self.source == "theta":
+            return ThetaCheckpoint.open(self.model_path, blocks=self.config.blocks).rebuilt_state()
+        if self.blocks == "layers":
+            ckpt = open_checkpoint(self.model_path)
+            return ((key, ckpt.get(key)) for key in ckpt.keys())
+        return rebuild_dense_state(
+            open_checkpoint(self.model_path), blocks=self.blocks, rank=self.rank
+        )
+
+
+_override: list[AttnquantConfig] = []
+
+
+@contextmanager
+def config_override(config: AttnquantConfig) -> Iterator[AttnquantConfig]:
+    """Within the block, loads in this process use ``config`` instead of ``ATTNQUANT_*``.
+
+    For in-process loads (:func:`attnquant_max.load_pipeline`); a ``max serve``
+    subprocess reads its environment.
+    """
+    _override.append(config)
+    try:
+        yield config
+    finally:
+        _override.pop()
+
+
+def current_config() -> AttnquantConfig:
+    """The innermost :func:`config_override`, else the ``ATTNQUANT_*`` variables."""
+    return _override[-1] if _override else AttnquantConfig.from_env()
+
+
+def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) -> ServingPlan:
+    """Decide what serving ``model_path`` means under ``config`` (``ATTNQUANT_*`` by default).
+
+    A theta checkpoint is opened and validated at once (its keys against its
+    bands, and against ``ATTNQUANT_BLOCKS`` when that is set), so a mismatch fails
+    here, listing the layers, before MAX builds anything. For a dense checkpoint
+    an unset ``ATTNQUANT_BLOCKS`` means passthrough, the production default.
+    ``config`` defaults to :func:`current_config`.
+
+    Raises
+    ------
+    NotImplementedError
+        ``config`` asks for a path this release does not serve.
+    attnquant_core.CheckpointError
+        The checkpoint cannot be read; ``BandMismatchError`` for a theta
+        checkpoint whose keys do not match their bands.
+    """
+    config = current_config() if config is None else config
+    require_implemented(config)
+    path = Path(model_path)
+    if is_theta_checkpoint(path):
+        ckpt = ThetaCheckpoint.open(path, blocks=config.blocks)
+        return ServingPlan(
+            model_path=path,
+            source="theta",
+            blocks=ckpt.blocks,
+            rank=ckpt.rank,
+            num_layers=ckpt.num_layers,
+            config=config,
+        )
+    ckpt = open_checkpoint(path)
+    blocks = "layers" if config.blocks is None else config.blocks
+    return ServingPlan(
+        model_path=path,
+        source="dense",
+        blocks=blocks,
+        rank=0 if blocks == "layers" else config.rank,
+        num_layers=ckpt.num_layers,
+        config=config,
+    )
+
+
+_logged: set[str] = set()
+
+
+def log_serving_path(plan: ServingPlan, *, level: int = logging.INFO) -> str:
+    """Log, once per distinct plan, which path and which ``G``, ``r`` were chosen.
+
+    Returns the line (logged or not), so a CLI can print it too.
+    """
+    line = plan.describe()
+    if line not in _logged:
+        _logged.add(line)
+        logger.log(level, line)
+    return line
+
+
+# -- finding the model directory ------------------------------------------------------
+
+
+def model_directory(pipeline_config: Any, state_dict: Mapping[str, Any] | None = None) -> Path:
+    """The local checkpoint directory of a MAX load.
+
+    ``pipeline_config.model.model_path`` is a local directory for a local
+    checkpoint (MAX 26.7); for a Hugging Face repo id the directory holding the
+    resolved weight files is used instead.
+
+    Raises
+    ------
+    attnquant_core.CheckpointError
+        Neither names a single local directory.
+    """
+    model = pipeline_config.model
+    model_path = str(getattr(model, "model_path", "") or "")
+    if model_path and Path(model_path).is_dir():
+        return Path(model_path)
+    parents: set[Path] = set()
+    try:
+        parents = {Path(p).resolve().parent for p in model.resolved_weight_paths()}
+    except Exception as exc:  # MAX may need the network to resolve a repo id.
+        logger.debug("could not resolve the weight paths of %s: %s", model_path, exc)
+    if len(parents) == 1:
+        return parents.pop()
+    raise CheckpointError(
+        f"attnquant serves local checkpoints: {model_path!r} is not a directory and its "
+        f"weight files are not in one directory ({sorted(map(str, parents))}). Download "
+        "the checkpoint and pass its directory as the model path."
+    )
+
+
+# -- numpy to MAX --------------------------------------------------------------------------
+
+
+class ArrayWeights:
+    """The part of MAX's ``Weights`` protocol the stock adapters use, over one numpy array."""
+
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name = name
+        self._array = array
+
+    def data(self) -> Any:
+        return weight_data_from_numpy(self._array, self.name)
+
+    def exists(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"ArrayWeights({self.name!r}, {self._array.dtype}{list(self._array.shape)})"
+
+
+def weight_data_from_numpy(array: np.ndarray, name: str) -> Any:
+    """``max.graph.weights.WeightData`` for ``array``, ``ml_dtypes`` bfloat16/float8 included.
+
+    ``WeightData.from_numpy`` refuses the ``ml_dtypes`` types, so those are
+    handed over as raw bytes and viewed in MAX's dtype.
+    """
+    from max.driver import Buffer
+    from max.dtype import DType
+    from max.graph.type import Shape
+    from max.graph.weights import WeightData
+
+    array = np.ascontiguousarray(array)
+    dtype = {
+        "bfloat16": DType.bfloat16,
+        "float8_e4m3fn": DType.float8_e4m3fn,
+        "float8_e5m2": DType.float8_e5m2,
+    }.get(array.dtype.name)
+    if dtype is None:  # a numpy dtype
+        return WeightData.from_numpy(array, name)
+    raw = array.view(np.uint16 if array.dtype.itemsize == 2 else np.uint8)
+    buffer = Buffer.from_numpy(raw).view(dtype, list(array.shape))
+    return WeightData(buffer, name, dtype, Shape(array.shape))
+
+
+# -- key checks -----------------------------------------------------------------------------
+
+
+def expected_llama_keys(hf_config: Any) -> set[str]:
+    """Every weight the stock MAX Llama3 model reads, in MAX names (``model.`` stripped)."""
+    L = int(hf_config.num_hidden_layers)
+    keys = {"embed_tokens.weight", "norm.weight"}
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        keys.add("lm_head.weight")
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    per_layer += [f"{family}.weight" for family in FAMILIES]
+    if getattr(hf_config, "attention_bias", False):
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if getattr(hf_config, "mlp_bias", False):
+        per_layer += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
+    keys.update(f"layers.{i}.{suffix}" for i in range(L) for suffix in per_layer)
+    return keys
+
+
+_LAYER = re.compile(r"^(?P<stack>(?:.*\.)?layers)\.(?P<layer>\d+)\.(?P<rest>.+)$")
+
+
+def expected_uniform_keys(keys: Iterable[str], num_layers: int) -> set[str]:
+    """Keys a stack of identical decoder layers needs, inferred from ``keys``.
+
+    Every per-layer weight seen in any layer (and every projection family) is
+    expected in every layer ``0 .. num_layers-1``: a weight missing from one
+    layer is caught; the global keys are taken as they are.
+    """
+    keys = list(keys)
+    suffixes: dict[str, set[str]] = {}
+    out: set[str] = set()
+    for key in keys:
+        m = _LAYER.match(key)
+        if m is None or _is_attnquant_key(key):
+            continue
+        suffixes.setdefault(m["stack"], set()).add(m["rest"])
+    for stack, rests in suffixes.items():
+        rests |= {f"{family}.weight" for family in FAMILIES}
+        out.update(f"{stack}.{i}.{rest}" for i in range(num_layers) for rest in rests)
+    return out
+
+
+def check_state_keys(
+    state: Mapping[str, Any], expected: Iterable[str], *, model_path: str | Path = ""
+) -> None:
+    """Fail unless ``state`` has every ``expected`` key and no theta key.
+
+    Raises
+    ------
+    WeightKeyError
+        Listing every missing weight and every leftover theta/shared key.
+    """
+    missing = set(expected) - state.keys()
+    leftover = {key for key in state if _is_attnquant_key(key)}
+    if not missing and not leftover:
+        return
+    where = f"{model_path}: " if model_path else ""
+    parts = []
+    if missing:
+        parts.append(
+            f"{len(missing)} weight(s) the model needs are missing (the stock MAX loader "
+            f"would serve them as zeros): {_listed(missing)}"
+        )
+    if leftover:
+        parts.append(
+            f"{len(leftover)} theta key(s) are left that the stock model cannot use "
+            f"(a theta checkpoint without its attnquant.json?): {_listed(leftover)}"
+        )
+    raise WeightKeyError(where + "; ".join(parts))
+
+
+# -- the adapter --------------------------------------------------------------------------
+
+WeightsAdapter = Callable[..., dict[str, Any]]
+ExpectedKeys = Callable[[Any, Mapping[str, Any]], Iterable[str]]
+
+
+def rebuilt_weights(
+    state_dict: Mapping[str, Any], pipeline_config: Any
+) -> tuple[dict[str, Any], ServingPlan]:
+    """The state MAX should load instead of ``state_dict``, and the plan behind it.
+
+    ``state_dict`` is returned unchanged when nothing is rebuilt (a dense
+    checkpoint at passthrough).
+    """
+    path = model_directory(pipeline_config, state_dict)
+    if not is_theta_checkpoint(path):
+        stray = [key for key in state_dict if _is_attnquant_key(key)]
+        if stray:
+            raise WeightKeyError(
+                f"{path}: holds {len(stray)} theta key(s) but no attnquant.json, so it can be "
+                f"served neither as a theta checkpoint nor as a dense one: {_listed(stray)}. "
+                "Restore attnquant.json from the decomposition output."
+            )
+    plan = plan_serving(path)
+    log_serving_path(plan)
+    if not plan.rebuilds:
+        return dict(state_dict), plan
+    return {key: ArrayWeights(key, array) for key, array in plan.state()}, plan
+
+
+@dataclass(frozen=True)
+class ThetaWeightAdapter:
+    """A MAX weight adapter that rebuilds ``W_eff`` at load, then runs ``stock`` and checks keys.
+
+    A module-level class rather than a closure because ``max serve`` pickles the
+    architecture into its model worker process.
+
+    Attributes
+    ----------
+    stock : callable or None
+        The architecture's own adapter (``state_dict, huggingface_config,
+        pipeline_config, **kwargs -> dict[str, WeightData]``); ``None`` for an
+        architecture that loads raw keys. Must be picklable (module-level).
+    expected : callable
+        ``(huggingface_config, adapted_state) -> keys`` the stock model needs, in
+        the adapter's output names. Must be picklable (module-level).
+    name : str
+        The architecture, for messages.
+    """
+
+    stock: WeightsAdapter | None
+    expected: ExpectedKeys
+    name: str = ""
+
+    def __call__(
+        self,
+        state_dict: dict[str, Any],
+        huggingface_config: Any = None,
+        pipeline_config: Any = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        if pipeline_config is None:
+            raise TypeError(f"the attnquant adapter of {self.name} needs pipeline_config")
+        weights, plan = rebuilt_weights(state_dict, pipeline_config)
+        if self.stock is None:
+            out = {key: value.data() for key, value in weights.items()}
+        else:
+            out = self.stock(
+                weights,
+                huggingface_config=huggingface_config,
+                pipeline_config=pipeline_config,
+                **kwargs,
+            )
+        check_state_keys(out, self.expected(huggingface_config, out), model_path=plan.model_path)
+        return out
+
+
+def wrap_weight_adapter(
+    stock: WeightsAdapter | None, expected: ExpectedKeys, *, name: str = ""
+) -> ThetaWeightAdapter:
+    """Wrap ``stock`` into a :class:`ThetaWeightAdapter` (see there)."""
+    return ThetaWeightAdapter(stock, expected, name)

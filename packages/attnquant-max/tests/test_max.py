@@ -1,0 +1,209 @@
+"""Real MAX loads of the tiny Llama (one graph shape for the whole suite), on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnquant_core import BandMismatchError
+from attnquant_max import (
+    AttnquantConfig,
+    LoadedModel,
+    ThetaWeightAdapter,
+    WeightKeyError,
+    config_override,
+    greedy_generate,
+    greedy_logprobs,
+    load_pipeline,
+    logit_parity,
+    plan_serving,
+    serve_command,
+    serve_env,
+)
+
+from .conftest import MAX_BATCH_SIZE, MAX_LENGTH
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
+
+
+def _load(path: Path, config: AttnquantConfig | None = None) -> LoadedModel:
+    return load_pipeline(
+        path,
+        max_length=MAX_LENGTH,
+        max_batch_size=MAX_BATCH_SIZE,
+        config=AttnquantConfig() if config is None else config,
+    )
+
+
+@pytest.fixture(scope="session")
+def dense_model(tiny_dense: Path) -> Iterator[LoadedModel]:
+    with _load(tiny_dense) as model:
+        yield model
+
+
+@pytest.fixture(scope="session")
+def theta_model(tiny_theta: Path) -> Iterator[LoadedModel]:
+    with _load(tiny_theta) as model:
+        yield model
+
+
+def test_architectures_wrap_the_stock_ones() -> None:
+    from max.graph.weights import WeightsFormat
+
+    from attnquant_max.attnquant_architectures import ARCHITECTURES
+
+    by_name = {arch.name: arch for arch in ARCHITECTURES}
+    assert "LlamaForCausalLM" in by_name
+    assert {"Gemma3ForCausalLM", "Gemma4ForConditionalGeneration"} <= by_name.keys()
+    adapter = by_name["LlamaForCausalLM"].weight_adapters[WeightsFormat.safetensors]
+    assert isinstance(adapter, ThetaWeightAdapter)
+    assert pickle.loads(pickle.dumps(adapter)) == adapter  # max serve pickles it
+    assert by_name["Gemma4ForConditionalGeneration"].pipeline_model.__name__ == "Gemma4ThetaModel"
+
+
+def test_theta_serves_the_same_greedy_tokens_as_dense(
+    dense_model: LoadedModel, theta_model: LoadedModel
+) -> None:
+    for prompt in PROMPTS:
+        ids = dense_model.encode(prompt)
+        assert ids == theta_model.encode(prompt)
+        expected = greedy_generate(dense_model, ids, 12)
+        assert len(expected) == 12
+        assert greedy_generate(theta_model, ids, 12) == expected
+
+
+def test_teacher_forced_scores_match_greedy(dense_model: LoadedModel) -> None:
+    ids = dense_model.encode(PROMPTS[0])
+    continuation = greedy_generate(dense_model, ids, 6)
+    scores = greedy_logprobs(dense_model, ids, continuation)
+    assert scores.logprobs.shape == (6,)
+    assert np.all(scores.logprobs <= 0.0)
+    assert scores.greedy.tolist() == continuation  # greedy tokens are the argmax
+
+
+def test_logit_parity_of_passthrough_is_native_equivalent(
+    dense_model: LoadedModel, theta_model: LoadedModel
+) -> None:
+    report = logit_parity(dense_model, theta_model, PROMPTS, 8)
+    assert report.native_equivalent
+    assert report.agreement == 1.0
+    assert report.max_abs_logprob_delta < 1e-4
+    assert (report.num_prompts, report.num_tokens) == (3, 24)
+
+
+def test_adapter_decomposes_a_dense_checkpoint_at_load(
+    dense_model: LoadedModel, tiny_dense: Path, tiny_theta_g1: Path
+) -> None:
+    """The wrapped Llama adapter, driven by MAX's own pipeline config, with G=1, r=8."""
+    from max.graph.weights import WeightsFormat, load_weights
+
+    from attnquant_max.attnquant_architectures import ARCHITECTURES
+
+    arch = next(a for a in ARCHITECTURES if a.name == "LlamaForCausalLM")
+    adapter = arch.weight_adapters[WeightsFormat.safetensors]
+    pipeline_config = dense_model.model.pipeline_config
+    weights = load_weights([tiny_dense / "model.safetensors"])
+    with config_override(AttnquantConfig(blocks=1, rank=8)):
+        out = adapter(
+            dict(weights.items()),
+            huggingface_config=pipeline_config.model.huggingface_config,
+            pipeline_config=pipeline_config,
+        )
+    expected = dict(plan_serving(tiny_theta_g1, AttnquantConfig()).state())
+    assert len(out) == len(expected)
+    for key, array in expected.items():
+        got = np.from_dlpack(out[key.removeprefix("model.")].data)
+        np.testing.assert_allclose(got, array, atol=1e-4, err_msg=key)
+
+
+def test_theta_missing_theta_v_fails_at_load(theta_missing_v: Path) -> None:
+    with pytest.raises(BandMismatchError, match="mlp.up_proj layer 1"):
+        _load(theta_missing_v).close()
+
+
+def test_theta_with_other_blocks_fails_at_load(theta_other_blocks: Path) -> None:
+    with pytest.raises(BandMismatchError, match=r"layers \[1\]"):
+        _load(theta_other_blocks).close()
+
+
+def test_missing_dense_weight_fails_at_load(dense_missing_weight: Path) -> None:
+    with pytest.raises(WeightKeyError, match=r"layers\.1\.post_attention_layernorm\.weight"):
+        _load(dense_missing_weight).close()
+
+
+def test_theta_without_manifest_is_refused(theta_without_manifest: Path) -> None:
+    with pytest.raises(WeightKeyError) as info:
+        _load(theta_without_manifest).close()
+    assert "no attnquant.json" in str(info.value)
+    assert "56 theta key(s)" in str(info.value)
+    assert "attnquant.shared.mlp.down_proj.0.W0" in str(info.value)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_max_serve_answers_from_a_theta_checkpoint(
+    tiny_theta: Path, dense_model: LoadedModel, tmp_path: Path
+) -> None:
+    port = _free_port()
+    argv = serve_command(
+        tiny_theta, port=port, max_length=MAX_LENGTH, max_batch_size=MAX_BATCH_SIZE
+    )
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(argv, env=serve_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 480
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "max serve did not start in time"
+                time.sleep(2)
+        answer = _post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            {"model": str(tiny_theta), "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0},
+        )
+        text = answer["choices"][0]["text"]
+        ids = dense_model.encode(PROMPTS[0])
+        expected = dense_model.decode(greedy_generate(dense_model, ids, 8))
+        # The server's incremental detokenizer may hold back a trailing partial UTF-8 byte.
+        assert text == expected[: len(text)]
+        assert len(text) >= len(expected) - 1
+        assert answer["usage"]["completion_tokens"] == 8
+        assert "precompute-outside" in (tmp_path / "serve.log").read_text()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()

@@ -1,0 +1,176 @@
+"""The load plan, the rebuilt state and the key checks, without building a MAX model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from attnquant_core import BandMismatchError, CheckpointError
+from attnquant_max import (
+    AttnquantConfig,
+    WeightKeyError,
+    check_state_keys,
+    config_override,
+    current_config,
+    log_serving_path,
+    plan_serving,
+)
+from attnquant_max._weights import (
+    expected_llama_keys,
+    expected_uniform_keys,
+    model_directory,
+    weight_data_from_numpy,
+)
+
+from .conftest import LAYERS, tiny_llama_tensors
+
+
+def _hf(**overrides: object) -> SimpleNamespace:
+    base = {"num_hidden_layers": LAYERS, "tie_word_embeddings": False}
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def test_theta_at_passthrough_rebuilds_the_dense_weights_exactly(tiny_theta: Path) -> None:
+    plan = plan_serving(tiny_theta, AttnquantConfig())
+    assert (plan.source, plan.blocks, plan.rank, plan.num_layers) == ("theta", LAYERS, 4, LAYERS)
+    assert plan.rebuilds and plan.passthrough
+    state = dict(plan.state())
+    reference = tiny_llama_tensors()
+    assert state.keys() == reference.keys()
+    for key, array in reference.items():
+        assert state[key].dtype == array.dtype
+        np.testing.assert_allclose(state[key], array, atol=1e-6, err_msg=key)
+
+
+def test_dense_defaults_to_passthrough_without_rebuild(tiny_dense: Path) -> None:
+    plan = plan_serving(tiny_dense, AttnquantConfig())
+    assert (plan.source, plan.blocks, plan.rebuilds, plan.passthrough) == (
+        "dense",
+        "layers",
+        False,
+        True,
+    )
+    assert "unchanged" in plan.describe()
+
+
+def test_dense_with_blocks_is_decomposed_at_load(tiny_dense: Path, tiny_theta_g1: Path) -> None:
+    plan = plan_serving(tiny_dense, AttnquantConfig(blocks=1, rank=8))
+    assert (plan.source, plan.blocks, plan.rank, plan.rebuilds) == ("dense", 1, 8, True)
+    assert "G=1, r=8" in plan.describe()
+    at_load = dict(plan.state())
+    from_theta = dict(plan_serving(tiny_theta_g1, AttnquantConfig()).state())
+    assert at_load.keys() == from_theta.keys() == tiny_llama_tensors().keys()
+    for key in at_load:
+        np.testing.assert_allclose(at_load[key], from_theta[key], atol=1e-4, err_msg=key)
+
+
+def test_theta_missing_a_theta_key_fails_listing_the_layer(theta_missing_v: Path) -> None:
+    with pytest.raises(BandMismatchError) as info:
+        plan_serving(theta_missing_v, AttnquantConfig())
+    assert "mlp.up_proj layer 1" in str(info.value)
+    assert "theta_V" in str(info.value)
+    assert "ATTNQUANT_BLOCKS" in str(info.value)
+
+
+def test_theta_with_other_blocks_fails_listing_the_layers(theta_other_blocks: Path) -> None:
+    with pytest.raises(BandMismatchError, match=r"layers \[1\]"):
+        plan_serving(theta_other_blocks, AttnquantConfig())
+
+
+def test_serving_blocks_must_match_the_theta_checkpoint(tiny_theta: Path) -> None:
+    plan_serving(tiny_theta, AttnquantConfig(blocks="layers"))
+    with pytest.raises(BandMismatchError, match="ATTNQUANT_BLOCKS"):
+        plan_serving(tiny_theta, AttnquantConfig(blocks=1))
+
+
+def test_unimplemented_path_refused_before_reading(tiny_theta: Path) -> None:
+    with pytest.raises(NotImplementedError, match="ATTNQUANT_PRECOMPUTE_OUTSIDE"):
+        plan_serving(tiny_theta, AttnquantConfig(precompute_outside=False))
+
+
+def test_plan_reads_the_environment_and_overrides(
+    tiny_dense: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ATTNQUANT_BLOCKS", "1")
+    monkeypatch.setenv("ATTNQUANT_RANK", "2")
+    assert plan_serving(tiny_dense).blocks == 1
+    with config_override(AttnquantConfig()) as config:
+        assert current_config() is config
+        assert plan_serving(tiny_dense).blocks == "layers"
+    assert current_config().rank == 2
+
+
+def test_serving_path_is_logged_once(tiny_theta: Path, caplog: pytest.LogCaptureFixture) -> None:
+    plan = plan_serving(tiny_theta, AttnquantConfig())
+    with caplog.at_level(logging.INFO, logger="attnquant_max"):
+        line = log_serving_path(plan)
+        log_serving_path(plan)
+    assert "precompute-outside" in line and "r=4" in line and "G=layers" in line
+    assert [r.getMessage() for r in caplog.records].count(line) <= 1
+
+
+def test_expected_llama_keys() -> None:
+    keys = expected_llama_keys(_hf())
+    assert "lm_head.weight" in keys
+    assert "layers.1.mlp.down_proj.weight" in keys
+    assert len(keys) == 3 + LAYERS * 9
+    tied = expected_llama_keys(_hf(tie_word_embeddings=True, attention_bias=True))
+    assert "lm_head.weight" not in tied
+    assert "layers.0.self_attn.k_proj.bias" in tied
+
+
+def test_expected_uniform_keys_catch_one_missing_layer() -> None:
+    keys = ["language_model.layers.0.self_attn.q_norm.weight", "language_model.embed.weight"]
+    expected = expected_uniform_keys(keys, 2)
+    assert "language_model.layers.1.self_attn.q_norm.weight" in expected
+    assert "language_model.layers.1.mlp.down_proj.weight" in expected
+    assert "language_model.embed.weight" not in expected
+
+
+def test_check_state_keys_lists_missing_and_leftover() -> None:
+    state = {k.removeprefix("model."): None for k in tiny_llama_tensors()}
+    check_state_keys(state, expected_llama_keys(_hf()))
+    del state["layers.1.post_attention_layernorm.weight"]
+    state["layers.0.self_attn.q_proj.theta_U"] = None
+    state["attnquant.shared.mlp.up_proj.0.W0"] = None
+    with pytest.raises(WeightKeyError) as info:
+        check_state_keys(state, expected_llama_keys(_hf()), model_path="/ckpt")
+    message = str(info.value)
+    assert message.startswith("/ckpt: ")
+    assert "layers.1.post_attention_layernorm.weight" in message
+    assert "zeros" in message
+    assert "layers.0.self_attn.q_proj.theta_U" in message
+    assert "attnquant.shared.mlp.up_proj.0.W0" in message
+    assert isinstance(info.value, CheckpointError)
+
+
+def test_model_directory(tiny_dense: Path) -> None:
+    local = SimpleNamespace(model=SimpleNamespace(model_path=str(tiny_dense)))
+    assert model_directory(local) == tiny_dense
+    weights = [tiny_dense / "model.safetensors"]
+    repo = SimpleNamespace(
+        model=SimpleNamespace(model_path="org/model", resolved_weight_paths=lambda: weights)
+    )
+    assert model_directory(repo) == tiny_dense.resolve()
+    nowhere = SimpleNamespace(
+        model=SimpleNamespace(model_path="org/model", resolved_weight_paths=lambda: [])
+    )
+    with pytest.raises(CheckpointError, match="org/model"):
+        model_directory(nowhere)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_weight_data_from_numpy_keeps_values_and_order(dtype: type) -> None:
+    from max.dtype import DType
+
+    array = np.arange(12, dtype=np.float32).reshape(3, 4).T.astype(dtype)  # not C-contiguous
+    data = weight_data_from_numpy(array, "w")
+    assert data.name == "w"
+    assert [int(d) for d in data.shape] == [4, 3]
+    back = np.from_dlpack(data.astype(DType.float32).data)
+    np.testing.assert_array_equal(back, array.astype(np.float32))
