@@ -14,9 +14,12 @@ from importlib.metadata import PackageNotFoundError, version
 from ._analysis import (
     FamilyReport,
     ModelReport,
+    SweepPoint,
+    SweepResult,
     analyze_checkpoint,
     relative_error,
     stored_parameters,
+    sweep,
 )
 from ._bands import band_of_layers, band_sizes, resolve_blocks
 from ._checkpoint import FAMILIES, Checkpoint, FamilyInfo, open_checkpoint, parse_projection_key
@@ -98,7 +101,10 @@ __all__ = [
     # analysis
     "FamilyReport",
     "ModelReport",
+    "SweepPoint",
+    "SweepResult",
     "analyze_checkpoint",
+    "sweep",
     "pooled_error",
     "relative_error",
     "stored_parameters",

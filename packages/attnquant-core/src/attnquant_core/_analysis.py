@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.linalg
 
+from ._bands import band_sizes, resolve_blocks
 from ._checkpoint import Checkpoint, open_checkpoint
-from ._decompose import SVDOptions, decompose_family, pooled_error
+from ._decompose import (
+    SVDOptions,
+    band_mean,
+    check_rank,
+    decompose_family,
+    pooled_error,
+    row_scale,
+)
+from ._svd import compute_dtype, truncated_svd
 from ._theta import FamilyTheta
 
 __all__ = [
     "FamilyReport",
     "ModelReport",
+    "SweepPoint",
+    "SweepResult",
     "analyze_checkpoint",
+    "sweep",
     "relative_error",
     "stored_parameters",
 ]
@@ -132,3 +146,188 @@ def analyze_checkpoint(
             dense=theta.dense_parameters(),
         )
     return ModelReport(blocks=G, rank=rank, families=reports)
+
+
+# -- sweeps: error against compression, theta beside per-layer SVD ---------------------------
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One ``(G, r)`` point of a sweep for one family (or the total, ``family == "total"``).
+
+    ``svd_rank`` and ``svd_error`` are plain per-layer truncated SVD at the largest rank whose
+    stored parameters do not exceed the theta point's (``svd_stored``).
+    """
+
+    family: str
+    blocks: int
+    rank: int
+    stored: int
+    dense: int
+    error: float
+    svd_rank: int
+    svd_stored: int
+    svd_error: float
+
+    @property
+    def compression(self) -> float:
+        return self.dense / self.stored
+
+    def to_json(self) -> dict:
+        return {
+            "family": self.family,
+            "blocks": self.blocks,
+            "rank": self.rank,
+            "stored_parameters": self.stored,
+            "dense_parameters": self.dense,
+            "compression": self.compression,
+            "error": self.error,
+            "svd_rank": self.svd_rank,
+            "svd_stored_parameters": self.svd_stored,
+            "svd_error": self.svd_error,
+        }
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """Every point of a ``G x r`` sweep, and the per-layer SVD curve over ranks."""
+
+    points: list[SweepPoint]
+    svd_curve: list[
+        dict
+    ]  # {"rank", "stored_parameters", "dense_parameters", "compression", "error"}
+
+    def totals(self) -> list[SweepPoint]:
+        return [p for p in self.points if p.family == "total"]
+
+
+def _residual_energy(S: np.ndarray, norm2: float, r: int) -> float:
+    """``||R - R_r||^2`` from the singular values of a rank-``r_max`` factorisation of ``R``."""
+    return max(norm2 - float(np.sum(S[:r].astype(np.float64) ** 2)), 0.0)
+
+
+def sweep(
+    ckpt: Checkpoint | str,
+    *,
+    blocks: list[int | str],
+    ranks: list[int],
+    svd: SVDOptions = SVDOptions(),
+    progress: Callable[[str], None] | None = None,
+) -> SweepResult:
+    """Error against stored size for every ``(G, r)``, with per-layer SVD at equal size beside it.
+
+    For each family and ``G``, every layer's residual is factored once at the largest requested
+    rank; the error at a smaller ``r`` follows from the leading singular values (the truncation
+    is an orthogonal projection, so ``||R - R_r||^2 = ||R||^2 - sum_{i<r} S_i^2``). The per-layer
+    SVD baseline uses exact singular values of every weight. Errors are in the compute dtype and
+    leave out the rounding of storage in a lower precision.
+    """
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+    ranks = sorted(set(ranks))
+    r_max = ranks[-1]
+    L = ckpt.num_layers
+    per_family: dict[str, list[SweepPoint]] = {}
+    family_norm2: dict[str, float] = {}
+    curve_parts: dict[str, list[tuple[int, int, float, float]]] = {}
+    Gs = [resolve_blocks(b, L) for b in blocks]
+    for name, info in ckpt.families.items():
+        out_dim, in_dim = info.shape
+        check_rank(name, info.shape, r_max)
+        cdt = compute_dtype(info.dtype)
+        weights = [np.asarray(ckpt.get(k, check_finite=True), dtype=cdt) for k in info.keys]
+        norms2 = [float(np.sum(W.astype(np.float64) ** 2)) for W in weights]
+        family_norm2[name] = sum(norms2)
+        dense = L * out_dim * in_dim
+        # Plain per-layer SVD: exact singular values of every weight, once, in float64 so the
+        # tail energy near full rank is not lost to cancellation.
+        sv = [scipy.linalg.svdvals(W.astype(np.float64), check_finite=False) for W in weights]
+        full = min(out_dim, in_dim)
+
+        def svd_error(k: int, sv=sv, norms2=norms2) -> float:
+            return float(sum(_residual_energy(s, n2, k) for s, n2 in zip(sv, norms2, strict=True)))
+
+        curve_parts[name] = [
+            (L * k * (out_dim + in_dim), dense, svd_error(k), sum(norms2)) for k in range(full + 1)
+        ]
+        points: list[SweepPoint] = []
+        for G in Gs:
+            if progress is not None:
+                progress(f"{name} G={G}")
+            energy = dict.fromkeys(ranks, 0.0)
+            start = 0
+            for b, size in enumerate(band_sizes(L, G)):
+                W0 = band_mean(weights[start : start + size], cdt)
+                for layer in range(start, start + size):
+                    W = weights[layer]
+                    s = row_scale(W, W0)
+                    R = W - s[:, np.newaxis] * W0
+                    n2 = float(np.sum(R.astype(np.float64) ** 2))
+                    S = truncated_svd(
+                        R,
+                        r_max,
+                        n_oversamples=svd.n_oversamples,
+                        n_iter=svd.n_iter,
+                        random_state=np.random.default_rng([svd.random_state, b, layer]),
+                    ).S
+                    for r in ranks:
+                        energy[r] += _residual_energy(S, n2, r)
+                start += size
+            for r in ranks:
+                stored = G * out_dim * in_dim + L * (out_dim + r * (out_dim + in_dim))
+                k = min(stored // (L * (out_dim + in_dim)), full)
+                points.append(
+                    SweepPoint(
+                        family=name,
+                        blocks=G,
+                        rank=r,
+                        stored=stored,
+                        dense=dense,
+                        error=float(np.sqrt(energy[r] / sum(norms2))),
+                        svd_rank=int(k),
+                        svd_stored=L * int(k) * (out_dim + in_dim),
+                        svd_error=float(np.sqrt(svd_error(k) / sum(norms2))),
+                    )
+                )
+        per_family[name] = points
+        del weights
+    # Totals: pool squared errors (relative error times the family's norm) over families.
+    all_points = [p for pts in per_family.values() for p in pts]
+    totals = []
+    for G in Gs:
+        for r in ranks:
+            pts = [p for p in all_points if p.blocks == G and p.rank == r]
+            n2 = sum(family_norm2[p.family] for p in pts)
+
+            def pooled(attr: str, pts=pts, n2=n2) -> float:
+                return float(
+                    np.sqrt(sum(getattr(p, attr) ** 2 * family_norm2[p.family] for p in pts) / n2)
+                )
+
+            totals.append(
+                SweepPoint(
+                    family="total",
+                    blocks=G,
+                    rank=r,
+                    stored=sum(p.stored for p in pts),
+                    dense=sum(p.dense for p in pts),
+                    error=pooled("error"),
+                    svd_rank=-1,  # differs per family
+                    svd_stored=sum(p.svd_stored for p in pts),
+                    svd_error=pooled("svd_error"),
+                )
+            )
+    # The per-layer SVD curve of the whole model: one rank for every family, capped at full rank.
+    curve = []
+    for k in range(max(len(c) for c in curve_parts.values())):
+        parts = [c[min(k, len(c) - 1)] for c in curve_parts.values()]  # capped at full rank
+        stored, dense = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        curve.append(
+            {
+                "rank": k,
+                "stored_parameters": stored,
+                "dense_parameters": dense,
+                "compression": dense / stored if stored else float("inf"),
+                "error": float(np.sqrt(sum(p[2] for p in parts) / sum(p[3] for p in parts))),
+            }
+        )
+    return SweepResult(points=all_points + totals, svd_curve=curve)
