@@ -97,6 +97,61 @@ def decompose(
     out.print(table)
 
 
+def _int_list(text: str, what: str) -> list[int | str]:
+    items: list[int | str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "layers" and what == "blocks":
+            items.append(part)
+            continue
+        try:
+            items.append(int(part))
+        except ValueError:
+            raise typer.BadParameter(f"--{what}: {part!r} is not an integer") from None
+    return items
+
+
+@app.command()
+def analyze(
+    ckpt: Annotated[str, typer.Argument(help="Hugging Face checkpoint directory (or 'demo').")],
+    blocks: Annotated[
+        str, typer.Option(help="Comma-separated G values ('layers' allowed).")
+    ] = "1,2",
+    rank: Annotated[str, typer.Option(help="Comma-separated ranks r.")] = "0,8,32",
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Directory for analyze.{csv,json,png}.")
+    ] = Path("attnquant-analyze"),
+) -> None:
+    """Sweep G x r: error against compression, beside per-layer SVD at the same size."""
+    from attnquant_core import open_checkpoint, sweep
+
+    from ._analyze import sweep_table, write_atomic, write_csv, write_json, write_plot
+
+    src = demo_model_path() if ckpt == "demo" else Path(ckpt)
+    Gs, ranks = _int_list(blocks, "blocks"), _int_list(rank, "rank")
+    checkpoint = open_checkpoint(src)
+    with Progress(
+        TextColumn("{task.description:<30}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("sweep", total=len(checkpoint.families) * len(Gs))
+
+        def step(what: str) -> None:
+            progress.update(task, advance=1, description=what)
+
+        result = sweep(checkpoint, blocks=Gs, ranks=ranks, progress=step)  # type: ignore[arg-type]
+    output.mkdir(parents=True, exist_ok=True)
+    title = f"{src.name}: error against compression"
+    write_atomic(output / "analyze.csv", lambda p: write_csv(result, p))
+    write_atomic(output / "analyze.json", lambda p: write_json(result, p, checkpoint=str(src)))
+    write_atomic(output / "analyze.png", lambda p: write_plot(result, p, title=title))
+    out.print(sweep_table(result, title))
+    console.print(f"wrote {output}/analyze.csv, analyze.json, analyze.png", highlight=False)
+
+
 def _model(model: str | None) -> Path:
     """The checkpoint a serving command acts on: the demo model when none (or 'demo') is given."""
     return demo_model_path() if model in (None, "demo") else Path(model)
@@ -235,6 +290,92 @@ def verify(
     out.print(table)
     out.print(f"verdict: {verdict}")
     return 0 if report.native_equivalent else 1
+
+
+@app.command()
+def bench(
+    base: Annotated[Path, typer.Argument(help="The stock (dense) checkpoint.")],
+    theta: Annotated[Path, typer.Argument(help="The checkpoint to compare: theta or dense.")],
+    gate: Annotated[
+        float, typer.Option(min=0.0, help="Pass when decode tok/s THETA/BASE is at least this.")
+    ] = 0.8,
+    repetitions: Annotated[int, typer.Option(min=2, help="Timed runs of each model.")] = 10,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (prefill).")] = 128,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated (decode).")] = 64,
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSON results.")] = Path(
+        "attnquant-bench.json"
+    ),
+    devices: Devices = "cpu",
+    max_length: MaxLength = 512,
+    max_batch_size: MaxBatch = 8,
+) -> int:
+    """Tokens per second of BASE and THETA, interleaved, with THETA/BASE and its 95% CI."""
+    import json
+    from dataclasses import replace
+
+    from attnquant_max import AttnquantConfig, load_pipeline, plan_serving
+
+    from ._analyze import write_atomic
+    from ._bench import bench_pair, prompt_ids, summarize
+
+    console.print(f"gate: decode tok/s THETA/BASE >= {gate} (set before the run)", highlight=False)
+    config = AttnquantConfig.from_env()
+    console.print(plan_serving(theta, config).describe(), highlight=False, soft_wrap=True)
+    common = {"max_length": max_length, "max_batch_size": max_batch_size, "devices": devices}
+    # The base is the stock model: served as it is, whatever ATTNQUANT_BLOCKS says.
+    base_model = load_pipeline(base, config=replace(config, blocks=None), **common)
+    theta_model = load_pipeline(theta, config=config, **common)
+    try:
+        prompt = prompt_ids(base_model.encode, prompt_tokens)
+
+        def runner(loaded):
+            def run(ids: list[int], n: int) -> object:
+                return loaded.model.generate([ids], max_new_tokens=n, top_k=1, ignore_eos=True)
+
+            return run
+
+        samples = bench_pair(
+            {"base": runner(base_model), "theta": runner(theta_model)},
+            prompt,
+            repetitions=repetitions,
+            new_tokens=new_tokens,
+        )
+    finally:
+        base_model.close()
+        theta_model.close()
+    result = summarize(samples, base="base", theta="theta", gate=gate)
+    result.update(
+        base=str(base),
+        theta=str(theta),
+        repetitions=repetitions,
+        prompt_tokens=len(prompt),
+        new_tokens=new_tokens,
+        devices=devices,
+    )
+    table = Table(title=f"bench {theta} against {base} ({repetitions} interleaved runs each)")
+    for col in ("", "decode tok/s", "prefill tok/s", "TTFT ms"):
+        table.add_column(col, justify="right")
+    for name in ("base", "theta"):
+        m = result["medians"][name]
+        table.add_row(
+            name,
+            f"{m['decode_tok_s']:.1f}",
+            f"{m['prefill_tok_s']:.1f}",
+            f"{m['ttft_s'] * 1e3:.1f}",
+        )
+    r = result["ratios"]
+    table.add_row(
+        "theta/base",
+        *(
+            f"{r[k]['ratio']:.3f} [{r[k]['ci_low']:.3f}, {r[k]['ci_high']:.3f}]"
+            for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")
+        ),
+    )
+    out.print(table)
+    out.print(f"gate {gate}: {result['verdict']}")
+    write_atomic(output, lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+    console.print(f"wrote {output}", highlight=False)
+    return 0 if result["passed"] else 1
 
 
 def cli(args: Sequence[str] | None = None) -> int:

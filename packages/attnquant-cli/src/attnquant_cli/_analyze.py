@@ -1,0 +1,127 @@
+"""``attnquant analyze``: error against compression over a G x r sweep, beside per-layer SVD."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.table import Table
+
+from attnquant_core import SweepResult
+
+__all__ = ["sweep_table", "write_atomic", "write_csv", "write_json", "write_plot"]
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write`` on a temporary sibling of ``path``, then rename it into place."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # keeps the suffix (format)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+CSV_FIELDS = (
+    "family",
+    "blocks",
+    "rank",
+    "stored_parameters",
+    "dense_parameters",
+    "compression",
+    "error",
+    "svd_rank",
+    "svd_stored_parameters",
+    "svd_error",
+)
+
+
+def sweep_table(result: SweepResult, title: str) -> Table:
+    """Totals per (G, r): theta error, per-layer SVD error at the same size, and which wins."""
+    table = Table(title=title)
+    for col in ("G", "r", "compression", "theta error", "per-layer SVD error", "theta - SVD"):
+        table.add_column(col, justify="right")
+    for p in result.totals():
+        diff = p.error - p.svd_error
+        style = "green" if diff < 0 else "red" if diff > 0 else ""
+        table.add_row(
+            str(p.blocks),
+            str(p.rank),
+            f"{p.compression:.2f}x",
+            f"{p.error:.4f}",
+            f"{p.svd_error:.4f}",
+            f"[{style}]{diff:+.4f}[/{style}]" if style else f"{diff:+.4f}",
+        )
+    return table
+
+
+def write_csv(result: SweepResult, path: Path) -> None:
+    """One row per (family or total, G, r)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for p in result.points:
+            writer.writerow(p.to_json())
+
+
+def write_json(result: SweepResult, path: Path, *, checkpoint: str) -> None:
+    """The points and the per-layer SVD curve, with what was swept."""
+    payload = {
+        "checkpoint": checkpoint,
+        "blocks": sorted({p.blocks for p in result.points}),
+        "ranks": sorted({p.rank for p in result.points}),
+        "points": [p.to_json() for p in result.points],
+        "svd_curve": result.svd_curve,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def write_plot(result: SweepResult, path: Path, *, title: str) -> None:
+    """Total relative error against compression ratio: one theta curve per G, one SVD curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    totals = result.totals()
+    for G in sorted({p.blocks for p in totals}):
+        pts = sorted((p for p in totals if p.blocks == G), key=lambda p: p.compression)
+        ax.plot(
+            [p.compression for p in pts],
+            [p.error for p in pts],
+            marker="o",
+            label=f"theta, G={G}",
+        )
+        for p in pts:
+            ax.annotate(
+                f"r={p.rank}",
+                (p.compression, p.error),
+                fontsize=7,
+                alpha=0.7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    lo = min(p.compression for p in totals)
+    curve = [
+        c for c in result.svd_curve if c["stored_parameters"] > 0 and c["compression"] >= 0.5 * lo
+    ]
+    ax.plot(
+        [c["compression"] for c in curve],
+        [c["error"] for c in curve],
+        color="black",
+        linestyle="--",
+        label="per-layer truncated SVD",
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("compression ratio (dense / stored parameters)")
+    ax.set_ylabel("relative Frobenius error (all projections)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
