@@ -103,19 +103,20 @@ def build(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """The benchmark suite (slow, by hand): writes bench-results/*.json."""
+    """The benchmark suite (slow, by hand): one results file, bench-results/results.json."""
+    import json
+
     sync(session, "--all-packages", "--group", "bench")
-    out = ROOT / "bench-results"
-    out.mkdir(exist_ok=True)
+    tmp = Path(session.create_tmp())
+    results = {}
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
-        session.run(
-            "python",
-            str(script),
-            "--out",
-            str(out / f"{script.stem}.json"),
-            *session.posargs,
-            env=OFFLINE,
-        )
+        out = tmp / f"{script.stem}.json"
+        session.run("python", str(script), "--out", str(out), *session.posargs, env=OFFLINE)
+        results[script.stem] = json.loads(out.read_text())
+    (ROOT / "bench-results").mkdir(exist_ok=True)
+    target = ROOT / "bench-results" / "results.json"
+    target.write_text(json.dumps(results, indent=2) + "\n")
+    session.log(f"wrote {target}")
 
 
 @nox.session(default=False)

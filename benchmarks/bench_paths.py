@@ -1,0 +1,92 @@
+"""Throughput of each execution path against the stock model, on the embedded demo model.
+
+For every path attnquant-max implements (precompute-outside; the in-graph GEMM and
+fold-in-graph paths, the custom op and NVFP4 where they exist), the demo model is decomposed at
+passthrough and served in-process beside the stock dense model: interleaved repetitions,
+decode and prefill tokens per second, and THETA/BASE with a bootstrap 95% CI. A path that is
+not implemented yet is listed with the reason instead of a number.
+
+Run: ``uv run --all-packages --group bench python benchmarks/bench_paths.py`` (or
+``uv run nox -s bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+PATHS = {
+    "precompute-outside": {},
+    "gemm (in-graph)": {"precompute_outside": False, "gemm": True},
+    "gemm, no q/k/v fusion": {"precompute_outside": False, "gemm": True, "qkv_fuse": False},
+    "fold in graph (ATTNQUANT_PRECOMPUTE=1)": {"precompute_outside": False, "precompute": True},
+    "custom op": {"precompute_outside": False, "gemm": False},
+    "nvfp4": {"quant": "nvfp4"},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--repetitions", type=int, default=10)
+    parser.add_argument("--blocks", default="layers", help="G of the theta checkpoint")
+    parser.add_argument("--rank", type=int, default=0)
+    args = parser.parse_args()
+
+    from attnquant_cli import demo_model_path
+    from attnquant_cli._bench import bench_pair, prompt_ids, summarize
+    from attnquant_core import decompose_checkpoint
+    from attnquant_max import AttnquantConfig, load_pipeline, require_implemented
+
+    demo = demo_model_path()
+    work = Path(tempfile.mkdtemp(prefix="aq-bench-paths-"))
+    theta_dir = work / "theta"
+    decompose_checkpoint(demo, theta_dir, blocks=args.blocks, rank=args.rank)
+    common = {"max_length": 512, "max_batch_size": 8}
+    base = load_pipeline(demo, config=AttnquantConfig(), **common)
+    prompt = prompt_ids(base.encode, 128)
+
+    def runner(loaded):
+        return lambda ids, n: loaded.model.generate(
+            [ids], max_new_tokens=n, top_k=1, ignore_eos=True
+        )
+
+    results: dict[str, dict] = {}
+    for name, overrides in PATHS.items():
+        config = replace(AttnquantConfig(), **overrides)
+        try:
+            require_implemented(config)
+        except NotImplementedError as exc:
+            results[name] = {"status": "not implemented", "reason": str(exc)}
+            print(f"{name:<40} not implemented")
+            continue
+        theta = load_pipeline(theta_dir, config=config, **common)
+        try:
+            samples = bench_pair(
+                {"base": runner(base), "theta": runner(theta)},
+                prompt,
+                repetitions=args.repetitions,
+                new_tokens=64,
+            )
+        finally:
+            theta.close()
+        summary = summarize(samples, base="base", theta="theta", gate=0.8)
+        results[name] = {"status": "measured", **summary}
+        r = summary["ratios"]["decode_tok_s"]
+        p = summary["ratios"]["prefill_tok_s"]
+        print(
+            f"{name:<40} decode {r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]  "
+            f"prefill {p['ratio']:.3f} [{p['ci_low']:.3f}, {p['ci_high']:.3f}]  "
+            f"base {summary['medians']['base']['decode_tok_s']:.0f} tok/s"
+        )
+    base.close()
+    if args.out:
+        payload = {"benchmark": "paths", "blocks": args.blocks, "rank": args.rank, "paths": results}
+        args.out.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
