@@ -41,6 +41,8 @@ from ._theta import FamilyTheta, LayerTheta, ThetaModel, reconstruct
 
 __all__ = [
     "FORMAT_NAME",
+    "atomic_directory",
+    "copy_side_files",
     "FORMAT_VERSION",
     "MANIFEST_FILE",
     "DecomposeProgress",
@@ -92,7 +94,7 @@ class DecomposeProgress:
 
 
 @contextlib.contextmanager
-def _atomic_directory(out: Path, overwrite: bool) -> Iterator[Path]:
+def atomic_directory(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; rename it to ``out`` only if the block succeeds."""
     out = Path(out)
     if out.exists() and not overwrite:
@@ -109,8 +111,8 @@ def _atomic_directory(out: Path, overwrite: bool) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _copy_side_files(src_dir: Path | None, dst: Path) -> None:
-    """Copy config, tokenizer and other non-tensor files of the source checkpoint."""
+def copy_side_files(src_dir: Path | None, dst: Path) -> None:
+    """Copy config, tokenizer and other non-tensor files of a checkpoint directory into ``dst``."""
     if src_dir is None or not src_dir.is_dir():
         return
     for item in sorted(src_dir.iterdir()):
@@ -199,10 +201,9 @@ def decompose_checkpoint(
 
     digests: dict[str, str] = {}
     families: dict[str, dict] = {}
-    with _atomic_directory(Path(out), overwrite) as tmp:
-        _copy_side_files(ckpt.directory if ckpt.path.is_dir() else None, tmp)
-        writer = PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes)
-        with _closing(writer):
+    with atomic_directory(Path(out), overwrite) as tmp:
+        copy_side_files(ckpt.directory if ckpt.path.is_dir() else None, tmp)
+        with PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
             for key in copied:
                 array = ckpt.get(key, check_finite=True)
                 digests[key] = _digest(array)
@@ -265,18 +266,6 @@ def decompose_checkpoint(
     return manifest
 
 
-@contextlib.contextmanager
-def _closing(writer: PlannedWriter) -> Iterator[PlannedWriter]:
-    """Close the writer; on failure close it quietly and let the first error through."""
-    try:
-        yield writer
-    except BaseException:
-        with contextlib.suppress(Exception):
-            writer.close()
-        raise
-    writer.close()
-
-
 def _digest(array: np.ndarray) -> str:
     return "sha256:" + hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).data).hexdigest()
 
@@ -324,13 +313,12 @@ def save_theta(
                 else {}
             ),
         }
-    with _atomic_directory(Path(out), overwrite) as tmp:
+    with atomic_directory(Path(out), overwrite) as tmp:
         if source_dir is not None:
-            _copy_side_files(Path(source_dir), tmp)
+            copy_side_files(Path(source_dir), tmp)
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
-        writer = PlannedWriter(tmp, specs)
-        with _closing(writer):
+        with PlannedWriter(tmp, specs) as writer:
             for key, array in model.extra.items():
                 writer.write(key, array)
             for name, fam in model.families.items():

@@ -8,6 +8,7 @@ follows the largest tensor, not the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -282,6 +283,17 @@ class PlannedWriter:
             written = os.pwrite(fd, data, offset)
             data, offset = data[written:], offset + written
         self._pending.discard(key)
+
+    def __enter__(self) -> PlannedWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        """Close on success; on failure close quietly and let the first error through."""
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):
+            self.close()
 
     def close(self) -> None:
         """Flush and close every shard; write the index when there are several."""
