@@ -97,6 +97,42 @@ def decompose(
     out.print(table)
 
 
+@app.command()
+def export(
+    ckpt: Annotated[str, typer.Argument(help="Theta or dense checkpoint directory (or 'demo').")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint to write.")],
+    format: Annotated[str, typer.Option("--format", help="Output format: nvfp4.")] = "nvfp4",
+    input_scale: Annotated[
+        float, typer.Option(min=0.0, help="Static per-tensor activation scale (no calibration).")
+    ] = 1.0,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """Export the rebuilt weights of CKPT in Model Optimizer's NVFP4 layout."""
+    from attnquant_max import ExportProgress, export_nvfp4
+
+    if format != "nvfp4":
+        raise typer.BadParameter(f"--format {format!r}: only 'nvfp4' is supported")
+    src = demo_model_path() if ckpt == "demo" else Path(ckpt)
+    with Progress(
+        TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), console=console
+    ) as progress:
+        task = progress.add_task("export", total=None)
+
+        def report(event: ExportProgress) -> None:
+            progress.update(task, completed=event.done, total=event.total)
+
+        summary = export_nvfp4(
+            src, output, input_scale=input_scale, overwrite=overwrite, progress=report
+        )
+    out.print(
+        f"{output}: {summary['quantized']} projections in NVFP4, {summary['copied']} tensors "
+        f"copied; projection bytes {summary['packed_bytes']:,} (float32: "
+        f"{summary['float32_bytes']:,}, {summary['float32_bytes'] / summary['packed_bytes']:.2f}x); "
+        f"max relative error {summary['max_rel_error']:.4f}",
+        highlight=False,
+    )
+
+
 def _int_list(text: str, what: str) -> list[int | str]:
     items: list[int | str] = []
     for part in text.split(","):

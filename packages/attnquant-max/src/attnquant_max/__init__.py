@@ -34,6 +34,17 @@ from ._generate import (
     load_pipeline,
     logit_parity,
 )
+from ._export import ExportProgress, export_nvfp4
+from ._nvfp4 import (
+    BLOCK_SIZE,
+    E2M1_VALUES,
+    E4M3_VALUES,
+    NVFP4Error,
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    nvfp4_error_bound,
+    quantize_nvfp4,
+)
 from ._serve import architectures_path, max_entrypoint, serve_command, serve_env
 from ._weights import (
     ServingPlan,
@@ -84,6 +95,17 @@ __all__ = [
     "greedy_logprobs",
     "load_pipeline",
     "logit_parity",
+    # NVFP4: numpy reference and Model Optimizer export
+    "BLOCK_SIZE",
+    "E2M1_VALUES",
+    "E4M3_VALUES",
+    "ExportProgress",
+    "NVFP4Error",
+    "NVFP4Tensor",
+    "dequantize_nvfp4",
+    "export_nvfp4",
+    "nvfp4_error_bound",
+    "quantize_nvfp4",
     # metadata
     "__version__",
 ]
