@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import json
 
 import pytest
 
@@ -38,29 +38,27 @@ def test_served_theta_gives_the_stock_models_greedy_tokens(demo, theta_dir, serv
     assert theta_answers == dense_answers
 
 
-def _report(text: str) -> tuple[float, float]:
-    delta = float(re.search(r"max \|logprob delta\|\s+([0-9.e+-]+)", text).group(1))
-    agreement = float(re.search(r"greedy agreement\s+([0-9.]+)%", text).group(1)) / 100
-    return delta, agreement
+def _verify(base, theta, tmp_path, capsys) -> tuple[int, dict, str]:
+    report = tmp_path / "verify.json"
+    code = cli(["verify", str(base), str(theta), "-o", str(report)])
+    return code, json.loads(report.read_text()), capsys.readouterr().out
 
 
 @pytest.mark.slow
-def test_verify_passthrough_is_native_equivalent(demo, theta_dir, capsys):
-    code = cli(["verify", str(demo), str(theta_dir("layers", 0))])
-    text = capsys.readouterr().out
-    delta, agreement = _report(text)
-    assert delta < 1e-3
-    assert agreement == 1.0
+def test_verify_passthrough_is_native_equivalent(demo, theta_dir, tmp_path, capsys):
+    code, report, text = _verify(demo, theta_dir("layers", 0), tmp_path, capsys)
+    assert report["max_abs_logprob_delta"] < 1e-3
+    assert report["agreement"] == 1.0
+    assert report["num_prompts"] == 8
     assert code == 0
     assert "verdict: native-equivalent" in text
 
 
 @pytest.mark.slow
-def test_verify_compressed_reports_and_fails(demo, theta_dir, capsys):
-    code = cli(["verify", str(demo), str(theta_dir(1, 8))])
-    text = capsys.readouterr().out
-    delta, agreement = _report(text)
-    assert delta >= 1.0 or agreement < 0.9
+def test_verify_compressed_reports_and_fails(demo, theta_dir, tmp_path, capsys):
+    code, report, text = _verify(demo, theta_dir(1, 8), tmp_path, capsys)
+    assert report["max_abs_logprob_delta"] >= 1.0 or report["agreement"] < 0.9
+    assert not report["native_equivalent"]
     assert code == 1
     assert "verdict: NOT native-equivalent" in text
 

@@ -7,8 +7,11 @@ Every MAX test uses the one shape below, so a test run compiles one model graph
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,6 +133,42 @@ def tiny_theta_g1(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) ->
     out = tmp_path_factory.mktemp("ckpt") / "theta_g1"
     decompose_checkpoint(tiny_dense, out, blocks=1, rank=8)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_theta_g1_r16(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One shared block per family, rank 16 (the largest the k/v shapes [32, 64] allow: 32)."""
+    out = tmp_path_factory.mktemp("ckpt") / "theta_g1_r16"
+    decompose_checkpoint(tiny_dense, out, blocks=1, rank=16)
+    return out
+
+
+def load_tiny(path: Path, config: Any = None) -> Any:
+    """``load_pipeline`` of a tiny checkpoint with the suite's one length and batch size."""
+    from attnquant_max import AttnquantConfig, load_pipeline
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
+    return load_pipeline(
+        path,
+        max_length=MAX_LENGTH,
+        max_batch_size=MAX_BATCH_SIZE,
+        config=AttnquantConfig() if config is None else config,
+    )
+
+
+@pytest.fixture(scope="session")
+def dense_model(tiny_dense: Path) -> Iterator[Any]:
+    """The dense tiny Llama, stock graph."""
+    with load_tiny(tiny_dense) as model:
+        yield model
+
+
+@pytest.fixture(scope="session")
+def theta_model(tiny_theta: Path) -> Iterator[Any]:
+    """The passthrough theta checkpoint on the precompute-outside path (stock graph)."""
+    with load_tiny(tiny_theta) as model:
+        yield model
 
 
 @pytest.fixture(scope="session")

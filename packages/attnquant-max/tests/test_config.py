@@ -11,6 +11,7 @@ from attnquant_max import (
     AttnquantConfig,
     ConfigError,
     require_implemented,
+    serving_path,
     use_gemm_formulation,
 )
 
@@ -108,17 +109,43 @@ def test_constructor_validates_too(kwargs: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "variable"),
+    ("env", "api", "variable"),
     [
-        ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0"}, "ATTNQUANT_PRECOMPUTE_OUTSIDE"),
-        ({"ATTNQUANT_PRECOMPUTE": "1"}, "ATTNQUANT_PRECOMPUTE"),
-        ({"ATTNQUANT_QUANT": "nvfp4"}, "ATTNQUANT_QUANT"),
+        ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_GEMM": "0"}, "cpu", "ATTNQUANT_GEMM=0"),
+        ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0"}, "metal", "ATTNQUANT_GEMM unset"),
+        ({"ATTNQUANT_QUANT": "nvfp4"}, "cpu", "ATTNQUANT_QUANT"),
     ],
 )
-def test_unimplemented_paths_fail_at_startup(env: dict[str, str], variable: str) -> None:
+def test_unimplemented_paths_fail_at_startup(env: dict[str, str], api: str, variable: str) -> None:
     config = AttnquantConfig.from_env(env)
-    with pytest.raises(NotImplementedError, match=variable):
-        require_implemented(config)
+    with pytest.raises(NotImplementedError, match=variable) as info:
+        require_implemented(config, api)
+    if "GEMM" in variable:
+        assert "issue 6" in str(info.value) and "ATTNQUANT_GEMM=1" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "api", "path"),
+    [
+        ({}, "cuda", "precompute-outside"),
+        ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0"}, "cpu", "gemm"),
+        ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0"}, "cuda", "gemm"),
+        ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_GEMM": "1"}, "metal", "gemm"),
+        ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_GEMM": "0"}, "cuda", "custom-op"),
+        ({"ATTNQUANT_PRECOMPUTE": "1"}, "cpu", "precompute"),
+        ({"ATTNQUANT_PRECOMPUTE": "1", "ATTNQUANT_PRECOMPUTE_OUTSIDE": "0"}, "cpu", "precompute"),
+    ],
+)
+def test_serving_path(env: dict[str, str], api: str, path: str) -> None:
+    config = AttnquantConfig.from_env(env)
+    assert serving_path(config, api) == path
+    if path != "custom-op":
+        require_implemented(config, api)
+
+
+def test_serving_path_reads_the_accelerator_only_when_needed() -> None:
+    assert serving_path(AttnquantConfig()) == "precompute-outside"
+    assert serving_path(AttnquantConfig(precompute_outside=False)) in ("gemm", "custom-op")
 
 
 @pytest.mark.parametrize(

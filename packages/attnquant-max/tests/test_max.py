@@ -9,7 +9,6 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +23,13 @@ from attnquant_max import (
     config_override,
     greedy_generate,
     greedy_logprobs,
-    load_pipeline,
     logit_parity,
     plan_serving,
     serve_command,
     serve_env,
 )
 
-from .conftest import MAX_BATCH_SIZE, MAX_LENGTH
+from .conftest import MAX_BATCH_SIZE, MAX_LENGTH, load_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -42,24 +40,7 @@ os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
 
 
 def _load(path: Path, config: AttnquantConfig | None = None) -> LoadedModel:
-    return load_pipeline(
-        path,
-        max_length=MAX_LENGTH,
-        max_batch_size=MAX_BATCH_SIZE,
-        config=AttnquantConfig() if config is None else config,
-    )
-
-
-@pytest.fixture(scope="session")
-def dense_model(tiny_dense: Path) -> Iterator[LoadedModel]:
-    with _load(tiny_dense) as model:
-        yield model
-
-
-@pytest.fixture(scope="session")
-def theta_model(tiny_theta: Path) -> Iterator[LoadedModel]:
-    with _load(tiny_theta) as model:
-        yield model
+    return load_tiny(path, config)
 
 
 def test_architectures_wrap_the_stock_ones() -> None:

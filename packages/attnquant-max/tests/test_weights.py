@@ -9,10 +9,12 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
-from attnquant_core import BandMismatchError, CheckpointError
+from attnquant_core import FAMILIES, BandMismatchError, CheckpointError
 from attnquant_max import (
     AttnquantConfig,
+    InGraphLayout,
     WeightKeyError,
     check_state_keys,
     config_override,
@@ -89,8 +91,57 @@ def test_serving_blocks_must_match_the_theta_checkpoint(tiny_theta: Path) -> Non
 
 
 def test_unimplemented_path_refused_before_reading(tiny_theta: Path) -> None:
-    with pytest.raises(NotImplementedError, match="ATTNQUANT_PRECOMPUTE_OUTSIDE"):
-        plan_serving(tiny_theta, AttnquantConfig(precompute_outside=False))
+    with pytest.raises(NotImplementedError, match="ATTNQUANT_GEMM=0"):
+        plan_serving(tiny_theta, AttnquantConfig(precompute_outside=False, gemm=False))
+
+
+@pytest.mark.parametrize(("gemm", "fuse"), [(True, True), (True, False), (False, True)])
+def test_in_graph_plan_feeds_the_theta_tensors(tiny_theta_g1: Path, gemm: bool, fuse: bool) -> None:
+    config = (
+        AttnquantConfig(precompute_outside=False, gemm=True, qkv_fuse=fuse)
+        if gemm
+        else AttnquantConfig(precompute=True, qkv_fuse=fuse)
+    )
+    plan = plan_serving(tiny_theta_g1, config)
+    assert plan.path == ("gemm" if gemm else "precompute") and plan.in_graph and plan.rebuilds
+    line = plan.describe()
+    assert ("GEMM formulation" if gemm else "in-graph precompute") in line
+    assert "G=1, r=8" in line and ("fused" if fuse else "ATTNQUANT_QKV_FUSE=0") in line
+    state = dict(plan.theta_state())
+    layout = InGraphLayout.from_state(
+        {k.removeprefix("model."): v.shape for k, v in state.items()}, FAMILIES, fuse=fuse
+    )
+    assert layout is not None and layout.gemm is gemm and layout.blocks == 1
+    assert layout.fused is fuse and set(layout.ranks.values()) == {8}
+    stripped = {k.removeprefix("model.") for k in state}
+    assert layout.keys(LAYERS) <= stripped
+    assert not any(k.endswith("_proj.weight") for k in state)
+    # The served tensors are the checkpoint's tensors, no more (G=1: W0 once).
+    ckpt = sum(a.nbytes for f in tiny_theta_g1.glob("*.safetensors") for a in load_file(f).values())
+    assert sum(a.nbytes for a in state.values()) == ckpt
+
+
+def test_dense_passthrough_in_graph_is_the_dense_weight(tiny_dense: Path) -> None:
+    plan = plan_serving(tiny_dense, AttnquantConfig(precompute_outside=False, gemm=True))
+    assert (plan.path, plan.blocks, plan.rank, plan.rebuilds) == ("gemm", "layers", 0, True)
+    state = dict(plan.theta_state())
+    dense = tiny_llama_tensors()
+    band = state["attnquant.gemm.self_attn.qkv_proj.1.W0V"]  # layer 1 is band 1: W0 = W
+    qkv = [dense[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]
+    np.testing.assert_array_equal(band, np.concatenate(qkv))
+    np.testing.assert_array_equal(state["model.layers.1.self_attn.q_proj.theta_s"], 1.0)
+    assert not any(k.endswith("theta_U") for k in state)
+
+
+def test_in_graph_refused_for_an_architecture_without_it(tiny_theta: Path) -> None:
+    from attnquant_max._weights import rebuilt_weights
+
+    pipeline_config = SimpleNamespace(model=SimpleNamespace(model_path=str(tiny_theta)))
+    with (
+        config_override(AttnquantConfig(precompute=True)),
+        pytest.raises(NotImplementedError, match="LlamaForCausalLM only"),
+    ):
+        rebuilt_weights({}, pipeline_config, name="Gemma3ForCausalLM")
 
 
 def test_plan_reads_the_environment_and_overrides(

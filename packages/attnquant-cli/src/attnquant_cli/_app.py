@@ -288,6 +288,9 @@ def verify(
     prompts: Annotated[
         Path | None, typer.Option(help="A file with one prompt per line (default: built-in set).")
     ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Also write the report as JSON here.")
+    ] = None,
     devices: Devices = "cpu",
     max_length: MaxLength = 512,
     max_batch_size: MaxBatch = 8,
@@ -325,6 +328,14 @@ def verify(
     )
     out.print(table)
     out.print(f"verdict: {verdict}")
+    if output is not None:
+        import dataclasses
+        import json
+
+        from ._analyze import write_atomic
+
+        payload = {"base": str(base), "theta": str(theta), **dataclasses.asdict(report)}
+        write_atomic(output, lambda p: p.write_text(json.dumps(payload, indent=2) + "\n"))
     return 0 if report.native_equivalent else 1
 
 

@@ -53,6 +53,7 @@ from ._format import (
     shared_key,
     theta_key,
 )
+from ._safetensors_io import dtype_from_name, dtype_name
 from ._svd import LowRank, compute_dtype, randomized_svd, truncated_svd
 from ._theta import FamilyTheta, LayerTheta, ThetaModel, apply, reconstruct
 
@@ -89,6 +90,8 @@ __all__ = [
     "FamilyInfo",
     "open_checkpoint",
     "parse_projection_key",
+    "dtype_from_name",
+    "dtype_name",
     # the theta checkpoint
     "FORMAT_VERSION",
     "MANIFEST_FILE",

@@ -9,20 +9,29 @@ architectures doing this live in the folder :func:`architectures_path` returns::
         "import attnquant_max; print(attnquant_max.architectures_path())") \\
         --devices cpu --quantization-encoding float32
 
+With ``ATTNQUANT_PRECOMPUTE_OUTSIDE=0`` (GEMM formulation, DESIGN §5.2) or
+``ATTNQUANT_PRECOMPUTE=1`` (``W_eff`` formed in the graph) the Llama
+architecture builds an in-graph model instead: the theta tensors are the
+graph's weights, each band's ``W0`` held once (:class:`ThetaLinear` and friends).
+
 Runtime options are the ``ATTNQUANT_*`` variables, parsed by
 :meth:`AttnquantConfig.from_env`. Importing this package does not import
 ``max.pipelines`` (slow); :func:`load_pipeline` does, when called.
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from ._config import (
     ENV_VARIABLES,
+    PATH_DESCRIPTIONS,
     AttnquantConfig,
     ConfigError,
     require_implemented,
+    serving_path,
     use_gemm_formulation,
 )
+from ._export import ExportProgress, export_nvfp4
 from ._generate import (
     AGREEMENT_THRESHOLD,
     DELTA_THRESHOLD,
@@ -34,7 +43,7 @@ from ._generate import (
     load_pipeline,
     logit_parity,
 )
-from ._export import ExportProgress, export_nvfp4
+from ._layout import InGraphLayout, ingraph_tensors
 from ._nvfp4 import (
     BLOCK_SIZE,
     E2M1_VALUES,
@@ -68,8 +77,22 @@ __all__ = [
     "ENV_VARIABLES",
     "AttnquantConfig",
     "ConfigError",
+    "PATH_DESCRIPTIONS",
     "require_implemented",
+    "serving_path",
     "use_gemm_formulation",
+    # in-graph paths: theta layers for MAX graphs, the theta Llama, measurements
+    "InGraphLayout",
+    "ThetaBuilder",
+    "ThetaLinear",
+    "ThetaLlama3",
+    "ThetaLlama3Model",
+    "ThetaMLP",
+    "ThetaSharedBlocks",
+    "ThetaStackedLinear",
+    "count_matmuls",
+    "decoder_graph",
+    "ingraph_tensors",
     # precompute-outside serving: MAX architectures, the load plan, key checks
     "ServingPlan",
     "ThetaWeightAdapter",
@@ -109,3 +132,25 @@ __all__ = [
     # metadata
     "__version__",
 ]
+
+# The MAX graph layers import max.nn (and the theta Llama max.pipelines, ~15 s):
+# loaded on first use, so `import attnquant_max` stays fast.
+_LAZY = {
+    "ThetaBuilder": "._layers",
+    "ThetaLinear": "._layers",
+    "ThetaMLP": "._layers",
+    "ThetaSharedBlocks": "._layers",
+    "ThetaStackedLinear": "._layers",
+    "ThetaLlama3": "._ingraph",
+    "ThetaLlama3Model": "._ingraph",
+    "count_matmuls": "._ingraph",
+    "decoder_graph": "._ingraph",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

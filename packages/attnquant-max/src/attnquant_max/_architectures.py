@@ -1,12 +1,16 @@
-"""MAX architectures that serve theta checkpoints on the precompute-outside path.
+"""MAX architectures that serve theta checkpoints.
 
 Each one is a stock MAX architecture under its stock name (so ``config.json``
 stays readable by transformers, and registering it overrides the built-in),
-changed in one place only: how weights are loaded (:mod:`._weights`). The
-model, its graph and its kernels are MAX's.
+changed in how weights are loaded (:mod:`._weights`). On the precompute-outside
+path the model, its graph and its kernels are MAX's.
 
 * ``LlamaForCausalLM`` and ``Gemma3ForCausalLM`` load through a weight adapter:
-  their stock adapters are wrapped.
+  their stock adapters are wrapped. ``LlamaForCausalLM`` also serves the
+  in-graph paths (GEMM formulation, in-graph precompute): its pipeline model
+  (:class:`~attnquant_max._ingraph.ThetaLlama3Model`) builds the theta model
+  when the adapter hands it theta tensors. The other architectures refuse those
+  paths at load.
 * ``Gemma3ForConditionalGeneration`` and ``Gemma4ForConditionalGeneration``
   read ``self.weights`` directly and take no adapter in MAX 26.7, so a subclass
   of their pipeline model swaps the rebuilt weights in before the stock load.
@@ -35,6 +39,7 @@ from max.pipelines.architectures.llama3 import llama_arch
 from max.pipelines.architectures.llama3 import weight_adapters as llama_adapters
 from max.pipelines.lib import SupportedArchitecture
 
+from ._ingraph import ThetaLlama3Model
 from ._weights import (
     ArrayWeights,
     check_state_keys,
@@ -87,7 +92,9 @@ class _RebuildingLoadMixin:
     huggingface_config: Any
 
     def _load_state_dict(self) -> dict[str, Any]:
-        weights, plan = rebuilt_weights(dict(self.weights.items()), self.pipeline_config)
+        weights, plan = rebuilt_weights(
+            dict(self.weights.items()), self.pipeline_config, name=type(self).__name__
+        )
         check_state_keys(weights, (), model_path=plan.model_path)
         if plan.rebuilds:
             self.weights = _WeightsMap(weights, self.weights)
@@ -102,15 +109,25 @@ class Gemma4ThetaModel(_RebuildingLoadMixin, _StockGemma4Model):
     """Stock Gemma4 pipeline model loading rebuilt weights."""
 
 
-def _with_adapter(arch: SupportedArchitecture, stock: Any, expected: Any) -> SupportedArchitecture:
-    adapter = wrap_weight_adapter(stock, expected, name=arch.name)
-    return dataclasses.replace(arch, weight_adapters={WeightsFormat.safetensors: adapter})
+def _with_adapter(
+    arch: SupportedArchitecture, stock: Any, expected: Any, **replace: Any
+) -> SupportedArchitecture:
+    in_graph = "pipeline_model" in replace
+    adapter = wrap_weight_adapter(stock, expected, name=arch.name, in_graph=in_graph)
+    return dataclasses.replace(
+        arch, weight_adapters={WeightsFormat.safetensors: adapter}, **replace
+    )
 
 
 def build_architectures() -> list[SupportedArchitecture]:
     """The attnquant variants of the stock MAX architectures, stock names kept."""
     return [
-        _with_adapter(llama_arch, llama_adapters.convert_safetensor_state_dict, _llama_expected),
+        _with_adapter(
+            llama_arch,
+            llama_adapters.convert_safetensor_state_dict,
+            _llama_expected,
+            pipeline_model=ThetaLlama3Model,
+        ),
         _with_adapter(
             gemma3_arch, gemma3_adapters.convert_safetensor_state_dict, _uniform_expected
         ),

@@ -17,9 +17,12 @@ from typing import Literal
 
 __all__ = [
     "ENV_VARIABLES",
+    "PATH_DESCRIPTIONS",
     "AttnquantConfig",
     "ConfigError",
+    "ServingPath",
     "require_implemented",
+    "serving_path",
     "use_gemm_formulation",
 ]
 
@@ -194,12 +197,50 @@ class AttnquantConfig:
         return self.blocks == "layers"
 
 
-def require_implemented(config: AttnquantConfig) -> None:
+ServingPath = Literal["precompute-outside", "gemm", "precompute", "custom-op"]
+
+#: What each execution path is, for the start-up log.
+PATH_DESCRIPTIONS: dict[str, str] = {
+    "precompute-outside": "precompute-outside: W_eff = s*W0 + U V^T rebuilt once at load, "
+    "stock MAX graph",
+    "gemm": "GEMM formulation (in-graph): y = s*(x W0^T) + (x V) U^T, two matmuls per "
+    "projection group",
+    "precompute": "in-graph precompute: W_eff = s*W0 + U V^T formed in the graph on every "
+    "forward, then one matmul",
+    "custom-op": "custom op (in-graph): generated_linear / generated_mlp",
+}
+
+
+def _accelerator_api() -> str:
+    from max.driver import accelerator_api  # ~0.4 s; only when the choice needs it
+
+    return str(accelerator_api())
+
+
+def serving_path(config: AttnquantConfig, accelerator_api: str | None = None) -> ServingPath:
+    """The execution path (DESIGN §5) that ``config`` asks for.
+
+    ``ATTNQUANT_PRECOMPUTE=1`` is in-graph precompute whatever
+    ``ATTNQUANT_PRECOMPUTE_OUTSIDE`` says; ``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``
+    is an in-graph rebuild, GEMM or custom op as :func:`use_gemm_formulation`
+    decides (``accelerator_api`` defaults to ``max.driver.accelerator_api()``,
+    read only then).
+    """
+    if config.precompute:
+        return "precompute"
+    if config.precompute_outside:
+        return "precompute-outside"
+    if config.gemm is None and accelerator_api is None:
+        accelerator_api = _accelerator_api()
+    return "gemm" if use_gemm_formulation(config, accelerator_api or "cpu") else "custom-op"
+
+
+def require_implemented(config: AttnquantConfig, accelerator_api: str | None = None) -> None:
     """Fail when ``config`` asks for an execution path this release does not serve.
 
-    Only precompute-outside (DESIGN §5.1) is wired into the MAX architectures.
-    Anything else must stop the server at start-up rather than silently serve
-    the production path.
+    Precompute-outside, the GEMM formulation and in-graph precompute are
+    served; NVFP4 and the custom-op path are not yet, and must stop the server
+    at start-up rather than silently serve another path.
 
     Raises
     ------
@@ -211,17 +252,17 @@ def require_implemented(config: AttnquantConfig) -> None:
             f"ATTNQUANT_QUANT={config.quant} is not implemented yet in attnquant-max: "
             "only unquantized serving is available. Unset ATTNQUANT_QUANT."
         )
-    if config.precompute:
-        raise NotImplementedError(
-            "ATTNQUANT_PRECOMPUTE=1 (rebuild W_eff inside the graph on every forward) is "
-            "not implemented yet in attnquant-max. Unset it to serve with "
-            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1, the production path."
+    if serving_path(config, accelerator_api) == "custom-op":
+        why = (
+            "ATTNQUANT_GEMM=0 asks for"
+            if config.gemm is False
+            else f"ATTNQUANT_GEMM unset chose, on this accelerator at r={config.rank},"
         )
-    if not config.precompute_outside:
         raise NotImplementedError(
-            "ATTNQUANT_PRECOMPUTE_OUTSIDE=0 asks for an in-graph theta path, which is not "
-            "implemented yet in attnquant-max. Set ATTNQUANT_PRECOMPUTE_OUTSIDE=1 "
-            "(the default) to rebuild W_eff once at load."
+            f"{why} the custom-op path (Mojo generated_linear/generated_mlp, issue 6), which "
+            "is not implemented yet in attnquant-max. Set ATTNQUANT_GEMM=1 for the GEMM "
+            "formulation, or ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default) to rebuild W_eff "
+            "once at load."
         )
 
 

@@ -33,13 +33,24 @@ import numpy as np
 from attnquant_core import (
     FAMILIES,
     CheckpointError,
+    FamilyTheta,
     ThetaCheckpoint,
+    decompose_family,
+    dtype_from_name,
     is_theta_checkpoint,
     open_checkpoint,
     rebuild_dense_state,
 )
 
-from ._config import AttnquantConfig, require_implemented
+from ._config import (
+    PATH_DESCRIPTIONS,
+    AttnquantConfig,
+    ServingPath,
+    _accelerator_api,
+    require_implemented,
+    serving_path,
+)
+from ._layout import InGraphLayout, ingraph_tensors
 
 __all__ = [
     "ServingPlan",
@@ -93,6 +104,11 @@ class ServingPlan:
         ``r`` of the correction (``0`` for a dense checkpoint at passthrough).
     num_layers : int
         Decoder layers ``L``.
+    path : str
+        The execution path (:func:`attnquant_max.serving_path`):
+        ``"precompute-outside"``, ``"gemm"`` or ``"precompute"`` (in-graph).
+    accelerator_api : str or None
+        What ``max.driver.accelerator_api()`` said, when it decided the path.
     """
 
     model_path: Path
@@ -100,12 +116,33 @@ class ServingPlan:
     blocks: int | Literal["layers"]
     rank: int
     num_layers: int
+    path: ServingPath = "precompute-outside"
+    accelerator_api: str | None = None
     config: AttnquantConfig = field(repr=False)
 
     @property
     def rebuilds(self) -> bool:
-        """Whether any ``W_eff`` is rebuilt (False: the dense weights are served unchanged)."""
-        return self.source == "theta" or self.blocks != "layers"
+        """Whether the state MAX loads differs from the checkpoint's.
+
+        ``False`` only for a dense checkpoint at passthrough on the
+        precompute-outside path: its weights are served unchanged.
+        """
+        return self.in_graph or self.source == "theta" or self.blocks != "layers"
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether the graph holds the theta tensors (GEMM or in-graph precompute)."""
+        return self.path in ("gemm", "precompute")
+
+    def _why(self) -> str:
+        if self.path == "precompute":
+            return "ATTNQUANT_PRECOMPUTE=1"
+        if self.config.gemm is not None:
+            return f"ATTNQUANT_PRECOMPUTE_OUTSIDE=0, ATTNQUANT_GEMM={int(self.config.gemm)}"
+        return (
+            f"ATTNQUANT_PRECOMPUTE_OUTSIDE=0, ATTNQUANT_GEMM unset and accelerator API "
+            f"{self.accelerator_api!r}"
+        )
 
     @property
     def passthrough(self) -> bool:
@@ -119,9 +156,63 @@ class ServingPlan:
             return f"attnquant: serving {where} unchanged (passthrough, no rebuild)"
         g = "layers (passthrough)" if self.passthrough else str(self.blocks)
         how = "theta keys" if self.source == "theta" else "decomposition at load"
+        if self.in_graph:
+            fused = "fused" if self.config.qkv_fuse else "separate (ATTNQUANT_QKV_FUSE=0)"
+            return (
+                f"attnquant: serving {where} on the {PATH_DESCRIPTIONS[self.path]}; q/k/v and "
+                f"gate/up {fused}; theta from {how}, G={g}, r={self.rank}, L={self.num_layers}; "
+                f"chosen by {self._why()}"
+            )
         return (
             f"attnquant: serving {where} on the precompute-outside path: W_eff = s*W0 + U V^T "
             f"rebuilt once at load from {how}, G={g}, r={self.rank}, L={self.num_layers}"
+        )
+
+    def theta_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """In-graph paths: every tensor the theta model reads (original names, source dtype).
+
+        The checkpoint's other tensors (embeddings, norms, head), then the
+        theta tensors of :func:`attnquant_max._layout.ingraph_tensors`: ``W0V``
+        band weights on the GEMM path, ``W0`` and ``theta_V`` on the
+        in-graph precompute path. A dense checkpoint is decomposed here, with
+        ``G``, ``r`` of the plan (passthrough: ``W0 = W``, ``s = 1``, no correction).
+        Every family is held in memory at once (q/k/v share band weights).
+        """
+        families: dict[str, FamilyTheta] = {}
+        dtypes: dict[str, np.dtype] = {}
+        if self.source == "theta":
+            ckpt = ThetaCheckpoint.open(self.model_path, blocks=self.config.blocks)
+            for key in ckpt.copied_keys():
+                yield key, ckpt.tensors.get(key)
+            stack = ckpt.stack
+            for name, fam in ckpt.families.items():
+                families[name] = ckpt.family(name)
+                dtypes[name] = dtype_from_name(fam.get("source_dtype", fam["dtype"]))
+        else:
+            dense = open_checkpoint(self.model_path)
+            projection_keys = dense.projection_keys()
+            for key in dense.keys():
+                if key not in projection_keys:
+                    yield key, dense.get(key)
+            stacks = {info.stack for info in dense.families.values()}
+            if len(stacks) != 1:
+                raise CheckpointError(
+                    f"{self.model_path}: projection families under several stacks {sorted(stacks)}"
+                )
+            stack = stacks.pop()
+            for name, info in dense.families.items():
+                weights = [dense.get(k, check_finite=True) for k in info.keys]
+                families[name], _ = decompose_family(
+                    weights, blocks=self.blocks, rank=self.rank, name=name
+                )
+                dtypes[name] = info.dtype
+                del weights
+        yield from ingraph_tensors(
+            families,
+            stack=stack,
+            gemm=self.path == "gemm",
+            fuse=self.config.qkv_fuse,
+            dtype=dtypes,
         )
 
     def state(self) -> Iterator[tuple[str, np.ndarray]]:
@@ -176,7 +267,11 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
         checkpoint whose keys do not match their bands.
     """
     config = current_config() if config is None else config
-    require_implemented(config)
+    api = None
+    if (config.precompute or not config.precompute_outside) and config.gemm is None:
+        api = _accelerator_api()
+    require_implemented(config, api)
+    how: dict[str, Any] = {"path": serving_path(config, api), "accelerator_api": api}
     path = Path(model_path)
     if is_theta_checkpoint(path):
         ckpt = ThetaCheckpoint.open(path, blocks=config.blocks)
@@ -187,6 +282,7 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
             rank=ckpt.rank,
             num_layers=ckpt.num_layers,
             config=config,
+            **how,
         )
     ckpt = open_checkpoint(path)
     blocks = "layers" if config.blocks is None else config.blocks
@@ -197,6 +293,7 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
         rank=0 if blocks == "layers" else config.rank,
         num_layers=ckpt.num_layers,
         config=config,
+        **how,
     )
 
 
@@ -336,17 +433,25 @@ def expected_uniform_keys(keys: Iterable[str], num_layers: int) -> set[str]:
 
 
 def check_state_keys(
-    state: Mapping[str, Any], expected: Iterable[str], *, model_path: str | Path = ""
+    state: Mapping[str, Any],
+    expected: Iterable[str],
+    *,
+    model_path: str | Path = "",
+    theta: Iterable[str] = (),
 ) -> None:
-    """Fail unless ``state`` has every ``expected`` key and no theta key.
+    """Fail unless ``state`` has every ``expected`` and ``theta`` key and no other theta key.
+
+    ``theta`` names the theta tensors an in-graph model reads (empty on the
+    precompute-outside path, where any theta key is an error).
 
     Raises
     ------
     WeightKeyError
         Listing every missing weight and every leftover theta/shared key.
     """
-    missing = set(expected) - state.keys()
-    leftover = {key for key in state if _is_attnquant_key(key)}
+    theta = set(theta)
+    missing = (set(expected) | theta) - state.keys()
+    leftover = {key for key in state if _is_attnquant_key(key) and key not in theta}
     if not missing and not leftover:
         return
     where = f"{model_path}: " if model_path else ""
@@ -371,12 +476,18 @@ ExpectedKeys = Callable[[Any, Mapping[str, Any]], Iterable[str]]
 
 
 def rebuilt_weights(
-    state_dict: Mapping[str, Any], pipeline_config: Any
+    state_dict: Mapping[str, Any],
+    pipeline_config: Any,
+    *,
+    in_graph: bool = False,
+    name: str = "",
 ) -> tuple[dict[str, Any], ServingPlan]:
     """The state MAX should load instead of ``state_dict``, and the plan behind it.
 
     ``state_dict`` is returned unchanged when nothing is rebuilt (a dense
-    checkpoint at passthrough).
+    checkpoint at passthrough). On an in-graph path the state holds the theta
+    tensors (:meth:`ServingPlan.theta_state`); ``in_graph`` says whether the
+    architecture ``name`` builds such a model, and the load is refused if not.
     """
     path = model_directory(pipeline_config, state_dict)
     if not is_theta_checkpoint(path):
@@ -389,6 +500,14 @@ def rebuilt_weights(
             )
     plan = plan_serving(path)
     log_serving_path(plan)
+    if plan.in_graph:
+        if not in_graph:
+            raise NotImplementedError(
+                f"{name or 'this architecture'}: the {plan.path} path (in-graph theta) is "
+                "implemented for LlamaForCausalLM only. Set ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and "
+                "ATTNQUANT_PRECOMPUTE=0 (the defaults) to rebuild W_eff once at load."
+            )
+        return {key: ArrayWeights(key, array) for key, array in plan.theta_state()}, plan
     if not plan.rebuilds:
         return dict(state_dict), plan
     return {key: ArrayWeights(key, array) for key, array in plan.state()}, plan
@@ -412,11 +531,15 @@ class ThetaWeightAdapter:
         the adapter's output names. Must be picklable (module-level).
     name : str
         The architecture, for messages.
+    in_graph : bool
+        The architecture builds the in-graph theta model (GEMM, in-graph
+        precompute); else those paths are refused at load.
     """
 
     stock: WeightsAdapter | None
     expected: ExpectedKeys
     name: str = ""
+    in_graph: bool = False
 
     def __call__(
         self,
@@ -427,7 +550,9 @@ class ThetaWeightAdapter:
     ) -> dict[str, Any]:
         if pipeline_config is None:
             raise TypeError(f"the attnquant adapter of {self.name} needs pipeline_config")
-        weights, plan = rebuilt_weights(state_dict, pipeline_config)
+        weights, plan = rebuilt_weights(
+            state_dict, pipeline_config, in_graph=self.in_graph, name=self.name
+        )
         if self.stock is None:
             out = {key: value.data() for key, value in weights.items()}
         else:
@@ -437,12 +562,28 @@ class ThetaWeightAdapter:
                 pipeline_config=pipeline_config,
                 **kwargs,
             )
-        check_state_keys(out, self.expected(huggingface_config, out), model_path=plan.model_path)
+        expected = set(self.expected(huggingface_config, out))
+        theta: set[str] = set()
+        if plan.in_graph:
+            layout = InGraphLayout.from_state(
+                {k: [int(d) for d in v.shape] for k, v in out.items()},
+                FAMILIES,
+                fuse=plan.config.qkv_fuse,
+            )
+            if layout is None:
+                raise WeightKeyError(f"{plan.model_path}: the in-graph state holds no theta tensor")
+            num_layers = int(getattr(huggingface_config, "num_hidden_layers", plan.num_layers))
+            theta = layout.keys(num_layers)
+            expected = {k for k in expected if not k.endswith(_PROJECTION_WEIGHTS)}
+        check_state_keys(out, expected, model_path=plan.model_path, theta=theta)
         return out
 
 
+_PROJECTION_WEIGHTS = tuple(f"{family}.weight" for family in FAMILIES)
+
+
 def wrap_weight_adapter(
-    stock: WeightsAdapter | None, expected: ExpectedKeys, *, name: str = ""
+    stock: WeightsAdapter | None, expected: ExpectedKeys, *, name: str = "", in_graph: bool = False
 ) -> ThetaWeightAdapter:
     """Wrap ``stock`` into a :class:`ThetaWeightAdapter` (see there)."""
-    return ThetaWeightAdapter(stock, expected, name)
+    return ThetaWeightAdapter(stock, expected, name, in_graph)

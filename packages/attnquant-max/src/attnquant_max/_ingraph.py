@@ -1,0 +1,194 @@
+"""The in-graph Llama: MAX's Llama3 with its projections swapped for theta layers.
+
+:class:`ThetaLlama3` builds the stock :class:`~max.pipelines.architectures.llama3.llama3.Llama3`
+(embedding, norms, attention kernels, KV cache, head all MAX's) and replaces,
+in every decoder block, the three modules that hold projection weights:
+
+* ``self_attn.qkv_proj`` (a ``StackedLinear`` the attention calls as
+  ``qkv_proj(x)`` and splits after) by a :class:`~attnquant_max._layers.ThetaStackedLinear`;
+* ``self_attn.o_proj`` by a :class:`~attnquant_max._layers.ThetaLinear`;
+* ``mlp`` by a :class:`~attnquant_max._layers.ThetaMLP`.
+
+:class:`ThetaLlama3Model` is the stock pipeline model, which builds this model
+instead of the stock one when the weight adapter handed it theta tensors (the
+in-graph paths); otherwise its graph is the stock one. Nothing in MAX is patched.
+Importing this module imports ``max.pipelines`` (~15 s).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from max.graph import Graph
+from max.pipelines.architectures.llama3.llama3 import Llama3
+from max.pipelines.architectures.llama3.model import Llama3Model
+from max.pipelines.architectures.llama3.model_config import Llama3Config
+from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
+
+from attnquant_core import FAMILIES
+
+from ._layers import ThetaBuilder
+from ._layout import InGraphLayout
+from ._weights import config_override, current_config
+
+__all__ = ["ThetaLlama3", "ThetaLlama3Model", "count_matmuls", "decoder_graph"]
+
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
+def _shapes(config: Llama3Config) -> dict[str, tuple[int, int]]:
+    hidden, head_dim = config.hidden_size, config.kv_params.head_dim
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    ffl = config.intermediate_size
+    return {
+        "self_attn.q_proj": (q, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, q),
+        "mlp.gate_proj": (ffl, hidden),
+        "mlp.up_proj": (ffl, hidden),
+        "mlp.down_proj": (hidden, ffl),
+    }
+
+
+class ThetaLlama3(Llama3):
+    """The stock single-device Llama3 with theta projections (see the module docstring).
+
+    Weight names: the stock ones for everything but the projections;
+    ``layers.<i>.<family>.theta_{s,U,V}`` and the band weights of
+    :mod:`attnquant_max._layout` for those.
+    """
+
+    def __init__(self, config: Llama3Config, layout: InGraphLayout) -> None:
+        unsupported = {
+            "attention_bias": config.attention_bias,
+            "clip_qkv": config.clip_qkv,
+            "quant_config": config.quant_config,
+            "quantization_config": config.quantization_config,
+            "model_quantization_encoding": config.model_quantization_encoding,
+            "stacked_qkv": config.stacked_qkv,
+            "stacked_mlp": config.stacked_mlp,
+        }
+        if any(unsupported.values()):
+            named = ", ".join(k for k, v in unsupported.items() if v)
+            raise NotImplementedError(
+                f"the in-graph theta Llama does not support {named} yet; serve this model on "
+                "the precompute-outside path (ATTNQUANT_PRECOMPUTE_OUTSIDE=1, the default)"
+            )
+        super().__init__(config)
+        builder = ThetaBuilder(
+            layout,
+            num_layers=config.num_hidden_layers,
+            shapes=_shapes(config),
+            dtype=config.dtype,
+            device=config.devices[0],
+        )
+        for i, block in enumerate(self.layers):
+            block.self_attn.replace_module("qkv_proj", builder.stacked(QKV, i))
+            block.self_attn.replace_module("o_proj", builder.linear("self_attn.o_proj", i))
+            block.replace_module("mlp", builder.mlp(i))
+        self.attnquant_blocks = builder.bank
+        self.layout = layout
+
+
+def _layout_of(state_dict: Mapping[str, Any]) -> InGraphLayout | None:
+    shapes = {k: [int(d) for d in v.shape] for k, v in state_dict.items()}
+    return InGraphLayout.from_state(shapes, FAMILIES, fuse=current_config().qkv_fuse)
+
+
+class ThetaLlama3Model(Llama3Model):
+    """The stock Llama3 pipeline model, building :class:`ThetaLlama3` on the in-graph paths.
+
+    The weight adapter decides the path (:func:`attnquant_max.plan_serving`)
+    and hands over either a dense state (precompute-outside: the stock graph,
+    unchanged) or a theta state, from which the layout is read back.
+    ``weight_bytes`` is the size of the weights the compiled decoder holds.
+    """
+
+    weight_bytes: int = 0
+
+    def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
+        layout = _layout_of(self.state_dict)
+        if layout is None:
+            specs = dict(super().graph_specs(model_config))
+        else:
+            if model_config.data_parallel_degree > 1 or len(self.devices) > 1:
+                raise NotImplementedError(
+                    "the in-graph theta paths run on one device; serve on several with "
+                    "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
+                )
+            specs = {GraphRole.DECODER: self._theta_spec(model_config, layout)}
+        self.weight_bytes = _nbytes(specs[GraphRole.DECODER].weights_registry())
+        return specs
+
+    def _theta_spec(self, model_config: Llama3Config, layout: InGraphLayout) -> GraphSpec:
+        model = ThetaLlama3(model_config, layout)
+        model.load_state_dict(
+            self.state_dict, override_quantization_encoding=True, weight_alignment=1, strict=True
+        )
+        return GraphSpec(
+            model,
+            "llama3",
+            self._bind_graph_inputs(model.input_tree(self.kv_params)),
+            weights=model.state_dict(),
+        )
+
+
+def _nbytes(weights: Mapping[str, Any]) -> int:
+    """Bytes of a weights registry (``max.driver.Buffer`` or numpy values)."""
+    total = 0
+    for value in weights.values():
+        if hasattr(value, "num_elements"):  # a Buffer
+            total += int(value.num_elements) * int(value.dtype.size_in_bytes)
+        else:
+            total += int(value.nbytes)
+    return total
+
+
+def decoder_graph(loaded: Any, config: Any) -> tuple[Graph, int]:
+    """Trace, without compiling, the decoder ``loaded``'s checkpoint would get under ``config``.
+
+    Runs the architecture's weight adapter on the checkpoint again under
+    ``config`` (an :class:`attnquant_max.AttnquantConfig`), builds the model the
+    pipeline model would build, and traces it. For measurements: the matmuls in
+    the IR (:func:`count_matmuls`) and the weight bytes.
+
+    Parameters
+    ----------
+    loaded : LoadedModel
+        A model loaded by :func:`attnquant_max.load_pipeline` (any path): its
+        pipeline config, weights and KV-cache parameters are reused.
+
+    Returns
+    -------
+    graph : max.graph.Graph
+    weight_bytes : int
+        Bytes of the weights the graph binds.
+    """
+    pm = loaded.model.pipeline._pipeline_model
+    if not isinstance(pm, ThetaLlama3Model):
+        raise TypeError(f"decoder_graph needs an attnquant Llama model, got {type(pm).__name__}")
+    with config_override(config):
+        state = pm.adapter(
+            dict(pm.weights.items()),
+            huggingface_config=pm.huggingface_config,
+            pipeline_config=pm.pipeline_config,
+        )
+        probe = ThetaLlama3Model.__new__(ThetaLlama3Model)
+        probe.__dict__.update(pm.__dict__)
+        probe.state_dict = state
+        specs = probe.graph_specs(probe._create_model_config(state))
+    spec = specs[GraphRole.DECODER]
+    return spec.trace(), _nbytes(spec.weights_registry())
+
+
+_OP = re.compile(r"=\s*(?:\"?)([a-z_]+\.[a-z_.]*matmul[a-z_.]*)")
+
+
+def count_matmuls(graph: Graph | str) -> Counter[str]:
+    """Matmul ops in a graph's MLIR text, by op name (``rmo.matmul`` ... in MAX 26.7)."""
+    text = graph if isinstance(graph, str) else str(graph)
+    return Counter(_OP.findall(text))

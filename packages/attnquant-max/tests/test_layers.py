@@ -1,0 +1,226 @@
+"""The theta layers in a MAX graph against the numpy identity of attnquant-core.
+
+One graph per dtype holds every variant (GEMM fused, GEMM unfused, in-graph
+precompute) of two layers in one band, so slots and shared band weights are
+exercised by two compiles (each ~1-3 min cold on two cores: keep it small).
+Several bands are covered by the layout test (numpy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from attnquant_core import FamilyTheta, decompose_family
+from attnquant_max._layout import InGraphLayout, gemm_band_key, ingraph_tensors
+
+HIDDEN, Q_OUT, KV_OUT, FFL, LAYERS, BLOCKS, RANK, TOKENS = 32, 48, 16, 64, 3, 2, 4, 5
+#: The layers of the graph test: band 0 holds layers 0 and 1; slot 1 is the offset one.
+GRAPH_LAYERS = {"fused": (0, 1), "unfused": (1,), "precompute": (1,)}
+SHAPES = {
+    "self_attn.q_proj": (Q_OUT, HIDDEN),
+    "self_attn.k_proj": (KV_OUT, HIDDEN),
+    "self_attn.v_proj": (KV_OUT, HIDDEN),
+    "self_attn.o_proj": (HIDDEN, Q_OUT),
+    "mlp.gate_proj": (FFL, HIDDEN),
+    "mlp.up_proj": (FFL, HIDDEN),
+    "mlp.down_proj": (HIDDEN, FFL),
+}
+QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+VARIANTS = {"fused": (True, True), "unfused": (True, False), "precompute": (False, True)}
+
+
+@pytest.fixture(scope="module")
+def families() -> dict[str, FamilyTheta]:
+    rng = np.random.default_rng(7)
+    out = {}
+    for name, (o, i) in SHAPES.items():
+        base = rng.normal(0.0, i**-0.5, (o, i))
+        weights = [base + rng.normal(0.0, 0.3 * i**-0.5, (o, i)) for _ in range(LAYERS)]
+        theta, _ = decompose_family(
+            [w.astype(np.float32) for w in weights], blocks=BLOCKS, rank=RANK, name=name
+        )
+        out[name] = theta
+    return out
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _references(
+    families: dict[str, FamilyTheta], x: np.ndarray, x_o: np.ndarray, layers: tuple[int, ...]
+) -> Iterator[np.ndarray]:
+    """Per layer: q|k|v, o_proj, MLP, from FamilyTheta.apply (float32)."""
+    for layer in layers:
+        yield np.concatenate([families[f].apply(layer, x) for f in QKV], axis=-1)
+        yield families["self_attn.o_proj"].apply(layer, x_o)
+        gate = families["mlp.gate_proj"].apply(layer, x)
+        up = families["mlp.up_proj"].apply(layer, x)
+        yield families["mlp.down_proj"].apply(layer, _silu(gate) * up)
+
+
+def _round(families: dict[str, FamilyTheta], dtype: type) -> dict[str, FamilyTheta]:
+    """The same bundles with every tensor rounded through ``dtype`` (float32 kept for numpy)."""
+    from attnquant_core import LayerTheta
+
+    def r(a: np.ndarray) -> np.ndarray:
+        return a.astype(dtype).astype(np.float32)
+
+    return {
+        name: FamilyTheta(
+            name=name,
+            shared=tuple(r(W0) for W0 in fam.shared),
+            bands=fam.bands,
+            layers=tuple(LayerTheta(s=r(t.s), U=r(t.U), V=r(t.V)) for t in fam.layers),
+        )
+        for name, fam in families.items()
+    }
+
+
+def _run(families: dict[str, FamilyTheta], dtype_name: str) -> dict[str, list[np.ndarray]]:
+    """Build, compile and run the one graph of every variant; outputs as float32."""
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType, ops
+    from max.nn import Module
+
+    from attnquant_max._layers import ThetaBuilder
+    from attnquant_max._weights import weight_data_from_numpy
+
+    dtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[dtype_name]
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype_name]
+    cpu = DeviceRef.CPU()
+
+    class Holder(Module):
+        def __call__(self) -> None:  # pragma: no cover
+            raise TypeError
+
+    root = Holder()
+    state = {}
+    calls = {}
+    for variant, (gemm, fuse) in VARIANTS.items():
+        tensors = dict(
+            ingraph_tensors(
+                families,
+                stack="layers",
+                gemm=gemm,
+                fuse=fuse,
+                dtype=dict.fromkeys(SHAPES, np_dtype),
+            )
+        )
+        shapes = {k: v.shape for k, v in tensors.items()}
+        layout = InGraphLayout.from_state(shapes, list(SHAPES), fuse=fuse)
+        assert layout is not None and layout.gemm is gemm and layout.blocks == BLOCKS
+        assert layout.fused is fuse
+        builder = ThetaBuilder(layout, num_layers=LAYERS, shapes=SHAPES, dtype=dtype, device=cpu)
+        sub = Holder()
+        sub.bank = builder.bank
+        layers, holder = [], Holder()
+        for layer in GRAPH_LAYERS[variant]:
+            block, attn = Holder(), Holder()
+            attn.qkv_proj = builder.stacked(QKV, layer)
+            attn.o_proj = builder.linear("self_attn.o_proj", layer)
+            block.self_attn = attn
+            block.mlp = builder.mlp(layer)
+            setattr(holder, str(layer), block)  # weight names read layers.<i>....
+            layers.append(block)
+        sub.layers = holder
+        setattr(root, variant, sub)
+        calls[variant] = layers
+        # Only the weights of the layers in the graph (layer 2 is in another band).
+        used = set(sub.raw_state_dict())
+        state.update(
+            {
+                f"{variant}.{k}": weight_data_from_numpy(v, f"{variant}.{k}")
+                for k, v in tensors.items()
+                if k in used
+            }
+        )
+    root.load_state_dict(state, strict=True)
+
+    def forward(x, x_o):
+        outs = []
+        for variant in VARIANTS:
+            for block in calls[variant]:
+                outs.append(block.self_attn.qkv_proj(x.tensor))
+                outs.append(block.self_attn.o_proj(x_o.tensor))
+                outs.append(block.mlp(x.tensor))
+        return [ops.cast(o, DType.float32) for o in outs]
+
+    graph = Graph(
+        f"theta_layers_{dtype_name}",
+        forward,
+        input_types=[
+            TensorType(dtype, [TOKENS, HIDDEN], cpu),
+            TensorType(dtype, [TOKENS, Q_OUT], cpu),
+        ],
+    )
+    # Shared band weights: one graph weight for the two layers of the band.
+    text = str(graph)
+    band = f'"fused.{gemm_band_key("self_attn.qkv_proj", 0)}"'
+    assert text.count(band) == 1, [line for line in text.splitlines() if band in line]
+    session = InferenceSession(devices=[CPU()])
+    model = session.load(graph, weights_registry=root.state_dict())
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(TOKENS, HIDDEN)).astype(np_dtype)
+    x_o = rng.normal(size=(TOKENS, Q_OUT)).astype(np_dtype)
+
+    def buf(a: np.ndarray) -> Buffer:
+        if a.dtype == np.float32:
+            return Buffer.from_numpy(a)
+        return Buffer.from_numpy(a.view(np.uint16)).view(dtype, list(a.shape))
+
+    outs = [np.from_dlpack(o) for o in model.execute(buf(x), buf(x_o))]
+    result: dict[str, list[np.ndarray]] = {"x": [x.astype(np.float32), x_o.astype(np.float32)]}
+    for variant in VARIANTS:
+        n = 3 * len(GRAPH_LAYERS[variant])
+        result[variant], outs = outs[:n], outs[n:]
+    return result
+
+
+def _max_rel(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def test_band_weight_layout(families: dict[str, FamilyTheta]) -> None:
+    tensors = dict(ingraph_tensors(families, stack="layers", gemm=True, fuse=True))
+    band0 = tensors[gemm_band_key("self_attn.qkv_proj", 0)]
+    # q, k, v W0 rows, then V^T of layers 0 and 1 (band 0 holds two layers), q/k/v each.
+    assert band0.shape == (Q_OUT + 2 * KV_OUT + 2 * 3 * RANK, HIDDEN)
+    np.testing.assert_array_equal(band0[:Q_OUT], families["self_attn.q_proj"].shared[0])
+    v1 = families["self_attn.k_proj"].layers[1].V.T
+    start = Q_OUT + 2 * KV_OUT + 3 * RANK + RANK
+    np.testing.assert_array_equal(band0[start : start + RANK], v1)
+    assert tensors[gemm_band_key("self_attn.qkv_proj", 1)].shape[0] == Q_OUT + 2 * KV_OUT + 3 * RANK
+    assert "layers.2.mlp.down_proj.theta_U" in tensors
+    assert not any(k.endswith("theta_V") for k in tensors)
+    pre = dict(ingraph_tensors(families, stack="layers", gemm=False, fuse=True))
+    assert "attnquant.shared.mlp.up_proj.1.W0" in pre and "layers.0.mlp.up_proj.theta_V" in pre
+    stored = sum(f.stored_parameters() for f in families.values())
+    assert sum(a.size for a in tensors.values()) == stored  # the GEMM state is the theta size
+
+
+@pytest.mark.slow
+def test_layers_match_the_numpy_identity_float32(families: dict[str, FamilyTheta]) -> None:
+    result = _run(families, "float32")
+    for variant in VARIANTS:
+        refs = list(_references(families, *result["x"], GRAPH_LAYERS[variant]))
+        for i, (got, ref) in enumerate(zip(result[variant], refs, strict=True)):
+            assert got.shape == ref.shape
+            assert _max_rel(got, ref) < 1e-4, (variant, i, _max_rel(got, ref))
+
+
+@pytest.mark.slow
+def test_layers_match_the_numpy_identity_bfloat16(families: dict[str, FamilyTheta]) -> None:
+    rounded = _round(families, ml_dtypes.bfloat16)
+    result = _run(rounded, "bfloat16")
+    for variant in VARIANTS:
+        refs = list(_references(rounded, *result["x"], GRAPH_LAYERS[variant]))
+        for i, (got, ref) in enumerate(zip(result[variant], refs, strict=True)):
+            # bf16 keeps 8 bits of mantissa; a few roundings (x V, the sum) -> ~1e-2.
+            assert _max_rel(got, ref) < 3e-2, (variant, i, _max_rel(got, ref))
