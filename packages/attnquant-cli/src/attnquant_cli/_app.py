@@ -282,7 +282,7 @@ def generate(
 
 @app.command()
 def verify(
-    base: Annotated[Path, typer.Argument(help="The base (dense) checkpoint.")],
+    base: Annotated[Path, typer.Argument(help="The base (dense) checkpoint, or 'demo'.")],
     theta: Annotated[Path, typer.Argument(help="The checkpoint to check: theta or dense.")],
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per prompt.")] = 32,
     prompts: Annotated[
@@ -298,6 +298,7 @@ def verify(
     """Logit parity of THETA against BASE; exit 1 when not native-equivalent."""
     from attnquant_max import AGREEMENT_THRESHOLD, DELTA_THRESHOLD, logit_parity
 
+    base, theta = _model(str(base)), _model(str(theta))
     texts = list(VERIFY_PROMPTS)
     if prompts is not None:
         texts = [line for line in prompts.read_text().splitlines() if line.strip()]
@@ -341,7 +342,7 @@ def verify(
 
 @app.command()
 def bench(
-    base: Annotated[Path, typer.Argument(help="The stock (dense) checkpoint.")],
+    base: Annotated[Path, typer.Argument(help="The stock (dense) checkpoint, or 'demo'.")],
     theta: Annotated[Path, typer.Argument(help="The checkpoint to compare: theta or dense.")],
     gate: Annotated[
         float, typer.Option(min=0.0, help="Pass when decode tok/s THETA/BASE is at least this.")
@@ -365,6 +366,7 @@ def bench(
     from ._analyze import write_atomic
     from ._bench import bench_pair, prompt_ids, summarize
 
+    base, theta = _model(str(base)), _model(str(theta))
     console.print(f"gate: decode tok/s THETA/BASE >= {gate} (set before the run)", highlight=False)
     config = AttnquantConfig.from_env()
     console.print(plan_serving(theta, config).describe(), highlight=False, soft_wrap=True)
