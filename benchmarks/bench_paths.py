@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from attnquant_cli import demo_model_path
-    from attnquant_cli._bench import bench_pair, prompt_ids, summarize
+    from attnquant_cli._bench import bench_pair, generate_runner, prompt_ids, summarize
     from attnquant_core import decompose_checkpoint
     from attnquant_max import AttnquantConfig, load_pipeline, require_implemented
 
@@ -48,11 +48,6 @@ def main() -> None:
     common = {"max_length": 512, "max_batch_size": 8}
     base = load_pipeline(demo, config=AttnquantConfig(), **common)
     prompt = prompt_ids(base.encode, 128)
-
-    def runner(loaded):
-        return lambda ids, n: loaded.model.generate(
-            [ids], max_new_tokens=n, top_k=1, ignore_eos=True
-        )
 
     results: dict[str, dict] = {}
     for name, overrides in PATHS.items():
@@ -66,7 +61,7 @@ def main() -> None:
         theta = load_pipeline(theta_dir, config=config, **common)
         try:
             samples = bench_pair(
-                {"base": runner(base), "theta": runner(theta)},
+                {"base": generate_runner(base), "theta": generate_runner(theta)},
                 prompt,
                 repetitions=args.repetitions,
                 new_tokens=64,

@@ -364,7 +364,7 @@ def bench(
     from attnquant_max import AttnquantConfig, load_pipeline, plan_serving
 
     from ._analyze import write_atomic
-    from ._bench import bench_pair, prompt_ids, summarize
+    from ._bench import bench_pair, generate_runner, prompt_ids, summarize
 
     base, theta = _model(str(base)), _model(str(theta))
     console.print(f"gate: decode tok/s THETA/BASE >= {gate} (set before the run)", highlight=False)
@@ -377,14 +377,8 @@ def bench(
     try:
         prompt = prompt_ids(base_model.encode, prompt_tokens)
 
-        def runner(loaded):
-            def run(ids: list[int], n: int) -> object:
-                return loaded.model.generate([ids], max_new_tokens=n, top_k=1, ignore_eos=True)
-
-            return run
-
         samples = bench_pair(
-            {"base": runner(base_model), "theta": runner(theta_model)},
+            {"base": generate_runner(base_model), "theta": generate_runner(theta_model)},
             prompt,
             repetitions=repetitions,
             new_tokens=new_tokens,

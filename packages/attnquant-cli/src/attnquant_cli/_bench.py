@@ -11,7 +11,15 @@ import numpy as np
 
 from ._stats import RatioEstimate, ratio_of_means
 
-__all__ = ["BENCH_TEXT", "Sample", "bench_pair", "measure"]
+__all__ = [
+    "BENCH_TEXT",
+    "Sample",
+    "bench_pair",
+    "generate_runner",
+    "measure",
+    "prompt_ids",
+    "summarize",
+]
 
 # Prompt material in the demo model's domain; repeated and cut to the requested length.
 BENCH_TEXT = (
@@ -97,6 +105,15 @@ def summarize(
         "ratios": {k: v.to_json() for k, v in ratios.items()},
         "samples": {n: [asdict(s) for s in v] for n, v in samples.items()},
     }
+
+
+def generate_runner(loaded: Any) -> Callable[[list[int], int], Any]:
+    """A runner for :func:`bench_pair` around a loaded MAX model: greedy, EOS ignored."""
+
+    def run(ids: list[int], n: int) -> Any:
+        return loaded.model.generate([ids], max_new_tokens=n, top_k=1, ignore_eos=True)
+
+    return run
 
 
 def prompt_ids(encode: Callable[[str], Sequence[int]], length: int) -> list[int]:
