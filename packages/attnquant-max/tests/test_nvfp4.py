@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -308,12 +306,11 @@ def test_property_layout_and_bound(out_dim, blocks, log_scale, zero_fraction, se
     assert (np.sign(D_) * np.sign(W) >= 0).all()
 
 
-def test_large_matrix_is_fast():
+def test_gemma_sized_matrix_round_trips_within_bound():
+    # Speed is a benchmark's business; here only that a real-sized weight is handled.
     W = np.random.default_rng(5).standard_normal((6912, 1152)).astype(np.float32)
-    start = time.perf_counter()
     q = quantize_nvfp4(W)
-    dequantize_nvfp4(q)
-    assert time.perf_counter() - start < 5.0  # ~0.3 s on a 2-core CI machine
+    assert (np.abs(W - dequantize_nvfp4(q)) <= nvfp4_error_bound(W, q)).all()
 
 
 # -- agreement with MAX's own host encoder -----------------------------------------------------
