@@ -81,6 +81,17 @@ def _parse_bool(env: Mapping[str, str], name: str, default: bool | None) -> bool
     raise ConfigError(name, raw, _BOOL_ALLOWED + (" or unset (auto)" if default is None else ""))
 
 
+def _whole_number(name: str, raw: str, *, minimum: int, allowed: str) -> int:
+    """``raw`` as an int of at least ``minimum``, else a ConfigError naming the variable."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(name, raw, allowed) from None
+    if value < minimum:
+        raise ConfigError(name, raw, allowed)
+    return value
+
+
 def _parse_blocks(env: Mapping[str, str]) -> int | Passthrough | None:
     name = "ATTNQUANT_BLOCKS"
     raw = _get(env, name)
@@ -89,13 +100,7 @@ def _parse_blocks(env: Mapping[str, str]) -> int | Passthrough | None:
     if raw.lower() == "layers":
         return "layers"
     allowed = "a whole number >= 1, or 'layers' for passthrough (one block per layer)"
-    try:
-        blocks = int(raw)
-    except ValueError:
-        raise ConfigError(name, raw, allowed) from None
-    if blocks < 1:
-        raise ConfigError(name, raw, allowed)
-    return blocks
+    return _whole_number(name, raw, minimum=1, allowed=allowed)
 
 
 def _parse_rank(env: Mapping[str, str]) -> int:
@@ -103,14 +108,7 @@ def _parse_rank(env: Mapping[str, str]) -> int:
     raw = _get(env, name)
     if raw is None:
         return 16
-    allowed = "a whole number >= 0"
-    try:
-        rank = int(raw)
-    except ValueError:
-        raise ConfigError(name, raw, allowed) from None
-    if rank < 0:
-        raise ConfigError(name, raw, allowed)
-    return rank
+    return _whole_number(name, raw, minimum=0, allowed="a whole number >= 0")
 
 
 def _parse_quant(env: Mapping[str, str]) -> Quant | None:
