@@ -113,7 +113,16 @@ def test_constructor_validates_too(kwargs: dict[str, object]) -> None:
     [
         ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_GEMM": "0"}, "cpu", "ATTNQUANT_GEMM=0"),
         ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0"}, "metal", "ATTNQUANT_GEMM unset"),
-        ({"ATTNQUANT_QUANT": "nvfp4"}, "cpu", "ATTNQUANT_QUANT"),
+        ({"ATTNQUANT_QUANT": "nvfp4", "ATTNQUANT_PRECOMPUTE": "1"}, "cpu", "ATTNQUANT_QUANT"),
+        (
+            {
+                "ATTNQUANT_QUANT": "nvfp4",
+                "ATTNQUANT_PRECOMPUTE_OUTSIDE": "0",
+                "ATTNQUANT_GEMM": "1",
+            },
+            "cpu",
+            "precompute-outside",
+        ),
     ],
 )
 def test_unimplemented_paths_fail_at_startup(env: dict[str, str], api: str, variable: str) -> None:
@@ -134,6 +143,8 @@ def test_unimplemented_paths_fail_at_startup(env: dict[str, str], api: str, vari
         ({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_GEMM": "0"}, "cuda", "custom-op"),
         ({"ATTNQUANT_PRECOMPUTE": "1"}, "cpu", "precompute"),
         ({"ATTNQUANT_PRECOMPUTE": "1", "ATTNQUANT_PRECOMPUTE_OUTSIDE": "0"}, "cpu", "precompute"),
+        ({"ATTNQUANT_QUANT": "nvfp4"}, "cpu", "precompute-outside"),
+        ({"ATTNQUANT_QUANT": "nvfp4"}, "cuda", "precompute-outside"),
     ],
 )
 def test_serving_path(env: dict[str, str], api: str, path: str) -> None:

@@ -236,19 +236,24 @@ def serving_path(config: AttnquantConfig, accelerator_api: str | None = None) ->
 def require_implemented(config: AttnquantConfig, accelerator_api: str | None = None) -> None:
     """Fail when ``config`` asks for an execution path this release does not serve.
 
-    Precompute-outside, the GEMM formulation and in-graph precompute are
-    served; NVFP4 and the custom-op path are not yet, and must stop the server
-    at start-up rather than silently serve another path.
+    Precompute-outside (with or without NVFP4), the GEMM formulation and
+    in-graph precompute are served; NVFP4 on an in-graph path and the custom-op
+    path are not, and must stop the server at start-up rather than silently
+    serve another path.
 
     Raises
     ------
     NotImplementedError
         Naming the variable to change.
     """
-    if config.quant is not None:
+    if config.quant is not None and serving_path(config, accelerator_api or "cpu") != (
+        "precompute-outside"
+    ):
         raise NotImplementedError(
-            f"ATTNQUANT_QUANT={config.quant} is not implemented yet in attnquant-max: "
-            "only unquantized serving is available. Unset ATTNQUANT_QUANT."
+            f"ATTNQUANT_QUANT={config.quant} quantizes each W_eff rebuilt once at load, so it "
+            "needs the precompute-outside path: unset ATTNQUANT_PRECOMPUTE and "
+            "ATTNQUANT_PRECOMPUTE_OUTSIDE (or set ATTNQUANT_PRECOMPUTE_OUTSIDE=1), or unset "
+            "ATTNQUANT_QUANT to rebuild in the graph"
         )
     if serving_path(config, accelerator_api) == "custom-op":
         why = (

@@ -59,6 +59,13 @@ class LoadedModel:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def weight_bytes(self) -> int | None:
+        """Bytes of the weights the compiled decoder holds (attnquant Llama models; else None)."""
+        pipeline = getattr(self.model, "pipeline", None)
+        value = getattr(getattr(pipeline, "_pipeline_model", None), "weight_bytes", None)
+        return int(value) if value else None
+
     def close(self) -> None:
         self.model.close()
 
@@ -192,6 +199,9 @@ class ParityReport:
         ``max_abs_logprob_delta < 1.0`` and ``agreement >= 0.9``.
     num_prompts, num_tokens : int
         What was scored.
+    base_weight_bytes, theta_weight_bytes : int or None
+        Bytes of the weights each compiled decoder holds, where known
+        (:attr:`LoadedModel.weight_bytes`): what NVFP4 or an in-graph path saves.
     """
 
     max_abs_logprob_delta: float
@@ -199,6 +209,8 @@ class ParityReport:
     native_equivalent: bool
     num_prompts: int
     num_tokens: int
+    base_weight_bytes: int | None = None
+    theta_weight_bytes: int | None = None
 
     @classmethod
     def from_scores(
@@ -252,8 +264,9 @@ def logit_parity(
     here one at a time, or a :class:`LoadedModel` (used and left open). Prompts
     are text (encoded with the base tokenizer) or token ids.
 
-    A base loaded here ignores ``ATTNQUANT_BLOCKS``, so a dense base is served as
-    it is; the theta side follows the ``ATTNQUANT_*`` variables.
+    A base loaded here ignores ``ATTNQUANT_BLOCKS`` and ``ATTNQUANT_QUANT``, so a
+    dense base is served as it is, unquantized; the theta side follows the
+    ``ATTNQUANT_*`` variables.
     """
     config = AttnquantConfig.from_env()
     common: dict[str, Any] = {
@@ -262,7 +275,8 @@ def logit_parity(
         "devices": devices,
         "quantization_encoding": quantization_encoding,
     }
-    with _loaded(base_path, config=replace(config, blocks=None), **common) as base:
+    with _loaded(base_path, config=replace(config, blocks=None, quant=None), **common) as base:
+        base_bytes = base.weight_bytes
         encoded = [base.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         continuations = [greedy_generate(base, ids, max_new_tokens) for ids in encoded]
         base_scores = [
@@ -270,11 +284,16 @@ def logit_parity(
             for ids, cont in zip(encoded, continuations, strict=True)
         ]
     with _loaded(theta_path, config=config, **common) as theta:
+        theta_bytes = theta.weight_bytes
         theta_scores = [
             greedy_logprobs(theta, ids, cont)
             for ids, cont in zip(encoded, continuations, strict=True)
         ]
-    report = ParityReport.from_scores(base_scores, theta_scores, continuations)
+    report = replace(
+        ParityReport.from_scores(base_scores, theta_scores, continuations),
+        base_weight_bytes=base_bytes,
+        theta_weight_bytes=theta_bytes,
+    )
     logger.info(
         "logit parity %s vs %s: max |dlogp| %.4g, agreement %.3f -> %s",
         getattr(theta_path, "path", theta_path),

@@ -30,11 +30,12 @@ from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 
 from attnquant_core import FAMILIES
 
-from ._layers import ThetaBuilder
+from ._layers import ThetaBuilder, ThetaMLP
 from ._layout import InGraphLayout
+from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
 from ._weights import config_override, current_config
 
-__all__ = ["ThetaLlama3", "ThetaLlama3Model", "count_matmuls", "decoder_graph"]
+__all__ = ["NVFP4Llama3", "ThetaLlama3", "ThetaLlama3Model", "count_matmuls", "decoder_graph"]
 
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
@@ -54,6 +55,21 @@ def _shapes(config: Llama3Config) -> dict[str, tuple[int, int]]:
     }
 
 
+def _refuse_unsupported(config: Llama3Config, what: str) -> None:
+    unsupported = {
+        "attention_bias": config.attention_bias,
+        "clip_qkv": config.clip_qkv,
+        "quant_config": config.quant_config,
+        "quantization_config": config.quantization_config,
+        "model_quantization_encoding": config.model_quantization_encoding,
+        "stacked_qkv": config.stacked_qkv,
+        "stacked_mlp": config.stacked_mlp,
+    }
+    if any(unsupported.values()):
+        named = ", ".join(k for k, v in unsupported.items() if v)
+        raise NotImplementedError(f"{what} does not support {named} yet")
+
+
 class ThetaLlama3(Llama3):
     """The stock single-device Llama3 with theta projections (see the module docstring).
 
@@ -63,21 +79,11 @@ class ThetaLlama3(Llama3):
     """
 
     def __init__(self, config: Llama3Config, layout: InGraphLayout) -> None:
-        unsupported = {
-            "attention_bias": config.attention_bias,
-            "clip_qkv": config.clip_qkv,
-            "quant_config": config.quant_config,
-            "quantization_config": config.quantization_config,
-            "model_quantization_encoding": config.model_quantization_encoding,
-            "stacked_qkv": config.stacked_qkv,
-            "stacked_mlp": config.stacked_mlp,
-        }
-        if any(unsupported.values()):
-            named = ", ".join(k for k, v in unsupported.items() if v)
-            raise NotImplementedError(
-                f"the in-graph theta Llama does not support {named} yet; serve this model on "
-                "the precompute-outside path (ATTNQUANT_PRECOMPUTE_OUTSIDE=1, the default)"
-            )
+        _refuse_unsupported(
+            config,
+            "the in-graph theta Llama (serve this model on the precompute-outside path: "
+            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1, the default)",
+        )
         super().__init__(config)
         builder = ThetaBuilder(
             layout,
@@ -92,6 +98,39 @@ class ThetaLlama3(Llama3):
             block.replace_module("mlp", builder.mlp(i))
         self.attnquant_blocks = builder.bank
         self.layout = layout
+
+
+class NVFP4Llama3(Llama3):
+    """The stock single-device Llama3 with NVFP4 projections dequantized in the graph.
+
+    ``self_attn.qkv_proj`` and ``mlp.gate_proj``/``up_proj`` stay one matmul each over
+    the concatenated dequantized weights, as in the stock model; weight names are the
+    stock ones plus ``weight_scale`` and ``weight_scale_2`` per projection
+    (:mod:`attnquant_max._nvfp4_layers`).
+    """
+
+    def __init__(self, config: Llama3Config) -> None:
+        _refuse_unsupported(config, "NVFP4 serving (ATTNQUANT_QUANT=nvfp4)")
+        super().__init__(config)
+        shapes = _shapes(config)
+        dtype, device = config.dtype, config.devices[0]
+
+        def linear(family: str) -> NVFP4Linear:
+            out_dim, in_dim = shapes[family]
+            return NVFP4Linear(in_dim, out_dim, dtype=dtype, device=device)
+
+        for block in self.layers:
+            qkv = NVFP4StackedLinear([linear(f) for f in QKV], ["q_proj", "k_proj", "v_proj"])
+            block.self_attn.replace_module("qkv_proj", qkv)
+            block.self_attn.replace_module("o_proj", linear("self_attn.o_proj"))
+            gate_up = NVFP4StackedLinear(
+                [linear("mlp.gate_proj"), linear("mlp.up_proj")], ["gate_proj", "up_proj"]
+            )
+            block.replace_module("mlp", ThetaMLP(gate_up, linear("mlp.down_proj")))  # type: ignore[arg-type]
+
+
+def _is_nvfp4_state(state_dict: Mapping[str, Any]) -> bool:
+    return any(key.endswith(".weight_scale_2") for key in state_dict)
 
 
 def _layout_of(state_dict: Mapping[str, Any]) -> InGraphLayout | None:
@@ -111,21 +150,28 @@ class ThetaLlama3Model(Llama3Model):
     weight_bytes: int = 0
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
-        layout = _layout_of(self.state_dict)
-        if layout is None:
+        if _is_nvfp4_state(self.state_dict):
+            self._single_device(
+                "NVFP4 serving (ATTNQUANT_QUANT=nvfp4) runs on one device", model_config
+            )
+            specs = {GraphRole.DECODER: self._spec(model_config, NVFP4Llama3(model_config))}
+        elif (layout := _layout_of(self.state_dict)) is None:
             specs = dict(super().graph_specs(model_config))
         else:
-            if model_config.data_parallel_degree > 1 or len(self.devices) > 1:
-                raise NotImplementedError(
-                    "the in-graph theta paths run on one device; serve on several with "
-                    "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
-                )
-            specs = {GraphRole.DECODER: self._theta_spec(model_config, layout)}
+            self._single_device(
+                "the in-graph theta paths run on one device; serve on several with "
+                "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)",
+                model_config,
+            )
+            specs = {GraphRole.DECODER: self._spec(model_config, ThetaLlama3(model_config, layout))}
         self.weight_bytes = _nbytes(specs[GraphRole.DECODER].weights_registry())
         return specs
 
-    def _theta_spec(self, model_config: Llama3Config, layout: InGraphLayout) -> GraphSpec:
-        model = ThetaLlama3(model_config, layout)
+    def _single_device(self, message: str, model_config: Any) -> None:
+        if model_config.data_parallel_degree > 1 or len(self.devices) > 1:
+            raise NotImplementedError(message)
+
+    def _spec(self, model_config: Llama3Config, model: Llama3) -> GraphSpec:
         model.load_state_dict(
             self.state_dict, override_quantization_encoding=True, weight_alignment=1, strict=True
         )

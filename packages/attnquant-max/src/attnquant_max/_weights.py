@@ -39,6 +39,7 @@ from attnquant_core import (
     dtype_from_name,
     is_theta_checkpoint,
     open_checkpoint,
+    parse_projection_key,
     rebuild_dense_state,
 )
 
@@ -66,6 +67,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: What ``ATTNQUANT_QUANT=nvfp4`` serves, said once in the start-up log.
+NVFP4_EMULATED = (
+    "ATTNQUANT_QUANT=nvfp4: each W_eff quantized to NVFP4 at load (E2M1 codes, E4M3 scale per "
+    "16 inputs, FP32 per-tensor scale) and held packed; dequantized inside the graph on every "
+    "forward (emulated path: no native FP4 matmul is used)"
+)
 
 #: How many offending keys an error message lists before it says "and N more".
 _MAX_LISTED = 24
@@ -127,7 +135,12 @@ class ServingPlan:
         ``False`` only for a dense checkpoint at passthrough on the
         precompute-outside path: its weights are served unchanged.
         """
-        return self.in_graph or self.source == "theta" or self.blocks != "layers"
+        return self.in_graph or self.quantized or self.source == "theta" or self.blocks != "layers"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether each ``W_eff`` is quantized at load (``ATTNQUANT_QUANT=nvfp4``)."""
+        return self.config.quant is not None
 
     @property
     def in_graph(self) -> bool:
@@ -163,10 +176,13 @@ class ServingPlan:
                 f"gate/up {fused}; theta from {how}, G={g}, r={self.rank}, L={self.num_layers}; "
                 f"chosen by {self._why()}"
             )
-        return (
+        line = (
             f"attnquant: serving {where} on the precompute-outside path: W_eff = s*W0 + U V^T "
             f"rebuilt once at load from {how}, G={g}, r={self.rank}, L={self.num_layers}"
         )
+        if self.quantized:
+            line += "; " + NVFP4_EMULATED
+        return line
 
     def theta_state(self) -> Iterator[tuple[str, np.ndarray]]:
         """In-graph paths: every tensor the theta model reads (original names, source dtype).
@@ -214,6 +230,34 @@ class ServingPlan:
             fuse=self.config.qkv_fuse,
             dtype=dtypes,
         )
+
+    def quantized_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """:meth:`state` with every projection ``W_eff`` quantized to NVFP4 (see below).
+
+        A projection ``<prefix>.weight`` becomes ``<prefix>.weight`` (uint8 packed
+        E2M1 codes ``[out, in/2]``), ``<prefix>.weight_scale`` (the float8_e4m3fn
+        block scales as uint8 bytes ``[out, in/16]``) and ``<prefix>.weight_scale_2``
+        (float32 ``[1]``), the layout :mod:`attnquant_max._nvfp4_layers` reads.
+        Every other tensor is unchanged. One projection is quantized at a time.
+
+        Raises
+        ------
+        NVFP4Error
+            A projection's input size is not a multiple of 16, or it holds NaN/Inf;
+            the message names the key.
+        """
+        from ._nvfp4 import quantize_nvfp4
+
+        for key, array in self.state():
+            parsed = parse_projection_key(key)
+            if parsed is None or not key.endswith(".weight"):
+                yield key, array
+                continue
+            q = quantize_nvfp4(array, name=key)
+            prefix = key[: -len(".weight")]
+            yield key, q.weight
+            yield f"{prefix}.weight_scale", q.weight_scale.view(np.uint8)
+            yield f"{prefix}.weight_scale_2", q.weight_scale_2.reshape(1)
 
     def state(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every dense key of the model with its array (original names, source dtype)."""
@@ -500,6 +544,15 @@ def rebuilt_weights(
             )
     plan = plan_serving(path)
     log_serving_path(plan)
+    if plan.quantized:
+        if not in_graph:
+            raise NotImplementedError(
+                f"{name or 'this architecture'}: ATTNQUANT_QUANT={plan.config.quant} serving is "
+                "implemented for LlamaForCausalLM only; unset ATTNQUANT_QUANT, or write an "
+                "NVFP4 checkpoint with `attnquant export --format nvfp4` for a server that "
+                "reads Model Optimizer's layout"
+            )
+        return {key: ArrayWeights(key, array) for key, array in plan.quantized_state()}, plan
     if plan.in_graph:
         if not in_graph:
             raise NotImplementedError(

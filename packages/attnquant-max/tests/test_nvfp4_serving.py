@@ -1,0 +1,192 @@
+"""``ATTNQUANT_QUANT=nvfp4`` at load: packed weights, dequantized inside the graph, on the CPU.
+
+The served NVFP4 model must be *exactly* the stock model run on the dequantized weights of the
+numpy reference: any slip in nibble order, scale layout or arithmetic shows up there. How far
+NVFP4 moves the model from float32 is a measurement (``attnquant verify``), not asserted here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnquant_max import AttnquantConfig, LoadedModel, greedy_generate, greedy_logprobs
+from attnquant_max._nvfp4 import (
+    BLOCK_SIZE,
+    NVFP4Error,
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    quantize_nvfp4,
+)
+from attnquant_max._nvfp4_layers import E2M1_PAIR_TABLE
+from attnquant_max._weights import plan_serving
+
+from .conftest import PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
+
+NVFP4 = AttnquantConfig(quant="nvfp4")
+PROMPTS = ["hello world", "The quick brown fox"]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
+
+
+def _dequantized_tensors() -> dict[str, np.ndarray]:
+    """The tiny Llama with every projection replaced by its NVFP4 round trip (numpy reference)."""
+    tensors = tiny_llama_tensors()
+    for key in list(tensors):
+        if any(key.endswith(f"{family}.weight") for family in PROJECTIONS):
+            tensors[key] = dequantize_nvfp4(quantize_nvfp4(tensors[key], name=key))
+    return tensors
+
+
+def test_pair_table_decodes_both_nibbles() -> None:
+    from attnquant_max._nvfp4 import E2M1_VALUES, unpack_nibbles
+
+    packed = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    codes = unpack_nibbles(packed)  # [16, 32], even element from the low nibble
+    np.testing.assert_array_equal(
+        E2M1_PAIR_TABLE[packed].reshape(16, 32), E2M1_VALUES[codes].reshape(16, 32)
+    )
+
+
+def test_quantized_state_layout(tiny_dense: Path) -> None:
+    plan = plan_serving(tiny_dense, NVFP4)
+    assert plan.quantized and plan.rebuilds and not plan.in_graph
+    assert "ATTNQUANT_QUANT=nvfp4" in plan.describe() and "dequantized inside the graph" in (
+        plan.describe()
+    )
+    state = dict(plan.quantized_state())
+    dense = tiny_llama_tensors()
+    for key, W in dense.items():
+        family = next((f for f in PROJECTIONS if key.endswith(f"{f}.weight")), None)
+        if family is None:
+            np.testing.assert_array_equal(state[key], W)
+            continue
+        out_dim, in_dim = W.shape
+        prefix = key[: -len(".weight")]
+        packed, scale, scale_2 = (
+            state[key],
+            state[f"{prefix}.weight_scale"],
+            state[f"{prefix}.weight_scale_2"],
+        )
+        assert (packed.dtype, packed.shape) == (np.uint8, (out_dim, in_dim // 2))
+        assert (scale.dtype, scale.shape) == (np.uint8, (out_dim, in_dim // BLOCK_SIZE))
+        assert (scale_2.dtype, scale_2.shape) == (np.float32, (1,))
+        q = quantize_nvfp4(W)
+        np.testing.assert_array_equal(packed, q.weight)
+        np.testing.assert_array_equal(scale, q.weight_scale.view(np.uint8))
+    extra = set(state) - set(dense)
+    assert len(extra) == 2 * len(PROJECTIONS) * 2  # two scales per projection, two layers
+
+
+def test_quantized_state_refuses_an_inner_size_not_a_multiple_of_16(tmp_path: Path) -> None:
+    tensors = tiny_llama_tensors()
+    # A 1-row-short MLP: down_proj's inner size 120 is not a multiple of 16.
+    for i in range(2):
+        p = f"model.layers.{i}.mlp."
+        tensors[p + "gate_proj.weight"] = tensors[p + "gate_proj.weight"][:120]
+        tensors[p + "up_proj.weight"] = tensors[p + "up_proj.weight"][:120]
+        tensors[p + "down_proj.weight"] = np.ascontiguousarray(
+            tensors[p + "down_proj.weight"][:, :120]
+        )
+    path = write_tiny_llama(tmp_path / "odd", tensors)
+    with pytest.raises(NVFP4Error, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*16"):
+        dict(plan_serving(path, NVFP4).quantized_state())
+
+
+@pytest.mark.slow
+def test_nvfp4_linear_in_a_graph_matches_the_reference() -> None:
+    """One small graph: a lone NVFP4Linear and a stacked pair, against ``x @ dequantize(q).T``."""
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType
+    from max.nn import Module
+
+    from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
+    from attnquant_max._weights import weight_data_from_numpy
+
+    rng = np.random.default_rng(3)
+    shapes = {"a": (48, 32), "b": (16, 32), "c": (32, 64)}  # (out, in)
+    quantized: dict[str, NVFP4Tensor] = {}
+    for name, shape in shapes.items():
+        W = rng.normal(0.0, 1.0, shape).astype(np.float32)
+        W[0, :16] = 0.0  # an all-zero block
+        quantized[name] = quantize_nvfp4(W, name=name)
+    cpu = DeviceRef.CPU()
+
+    class Root(Module):
+        def __call__(self) -> None:  # pragma: no cover
+            raise TypeError
+
+    root = Root()
+    linears = {
+        n: NVFP4Linear(s[1], s[0], dtype=DType.float32, device=cpu) for n, s in shapes.items()
+    }
+    root.stacked = NVFP4StackedLinear([linears["a"], linears["b"]], ["a", "b"])
+    root.c = linears["c"]
+    state = {}
+    for name, q in quantized.items():
+        arrays = {
+            "weight": q.weight,
+            "weight_scale": q.weight_scale.view(np.uint8),
+            "weight_scale_2": q.weight_scale_2.reshape(1),
+        }
+        state.update(
+            {f"{name}.{k}": weight_data_from_numpy(v, f"{name}.{k}") for k, v in arrays.items()}
+        )
+    root.load_state_dict(state, strict=True)
+    graph = Graph(
+        "nvfp4_linear",
+        lambda x, y: [root.stacked(x.tensor), root.c(y.tensor)],
+        input_types=[
+            TensorType(DType.float32, [5, 32], cpu),
+            TensorType(DType.float32, [5, 64], cpu),
+        ],
+    )
+    model = InferenceSession(devices=[CPU()]).load(graph, weights_registry=root.state_dict())
+    x = rng.normal(size=(5, 32)).astype(np.float32)
+    y = rng.normal(size=(5, 64)).astype(np.float32)
+    got_ab, got_c = (
+        np.from_dlpack(o) for o in model.execute(Buffer.from_numpy(x), Buffer.from_numpy(y))
+    )
+    W_ab = np.concatenate([dequantize_nvfp4(quantized["a"]), dequantize_nvfp4(quantized["b"])])
+    np.testing.assert_allclose(got_ab, x @ W_ab.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_c, y @ dequantize_nvfp4(quantized["c"]).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_model(tiny_dense: Path) -> Iterator[LoadedModel]:
+    with load_tiny(tiny_dense, NVFP4) as model:
+        yield model
+
+
+@pytest.mark.slow
+def test_served_nvfp4_is_the_stock_model_on_dequantized_weights(
+    nvfp4_model: LoadedModel, dense_model: LoadedModel, tmp_path: Path
+) -> None:
+    reference_dir = write_tiny_llama(tmp_path / "dequantized", _dequantized_tensors())
+    with load_tiny(reference_dir) as reference:  # the stock graph (cached), reference weights
+        for prompt in PROMPTS:
+            ids = reference.encode(prompt)
+            tokens = greedy_generate(reference, ids, 8)
+            assert greedy_generate(nvfp4_model, ids, 8) == tokens
+            want = greedy_logprobs(reference, ids, tokens).logprobs
+            got = greedy_logprobs(nvfp4_model, ids, tokens).logprobs
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_nvfp4_model_holds_packed_bytes(nvfp4_model: LoadedModel, dense_model: LoadedModel) -> None:
+    nvfp4_bytes = nvfp4_model.model.pipeline._pipeline_model.weight_bytes
+    dense_bytes = dense_model.model.pipeline._pipeline_model.weight_bytes
+    elements = 2 * sum(o * i for o, i in PROJECTIONS.values())  # two layers
+    # float32 (4 B) -> half a byte per code + one E4M3 byte per 16 + one float32 per tensor.
+    packed = elements // 2 + elements // BLOCK_SIZE + 4 * 2 * len(PROJECTIONS)
+    assert dense_bytes - nvfp4_bytes == 4 * elements - packed
+    saved = tiny_llama_tensors()
+    assert dense_bytes == sum(a.nbytes for a in saved.values())
