@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=10)
     parser.add_argument("--blocks", default="layers", help="G of the theta checkpoint")
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument(
+        "--only", nargs="+", choices=list(PATHS), help="measure these paths only (default: all)"
+    )
     args = parser.parse_args()
 
     from attnquant_cli import demo_model_path
@@ -51,6 +54,8 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     for name, overrides in PATHS.items():
+        if args.only and name not in args.only:
+            continue
         config = replace(AttnquantConfig(), **overrides)
         try:
             require_implemented(config)

@@ -59,3 +59,43 @@ def test_missing_checkpoint_and_existing_output(src, tmp_path, capsys):
     assert (out / "attnquant.json").read_text() == manifest
     assert cli(["decompose", str(src), "-o", str(out), "--rank", "3", "--overwrite"]) == 0
     assert json.loads((out / "attnquant.json").read_text())["rank"] == 3
+
+
+@pytest.mark.parametrize("args", [["--blocks", "layers", "--rank", "0"], ["--budget", "0.5"]])
+def test_decompose_align_keeps_the_function(demo, tmp_path, capsys, args):
+    """`decompose --align`: the transforms are recorded and, at passthrough, the rebuilt model is
+    the demo's function to float32 round-off (numpy reference forward)."""
+    from attnquant_core import ALIGN_MANIFEST_FILE, load_align_transforms, unalign_state
+    from attnquant_core.llama_reference import llama_logits
+
+    out = tmp_path / "aligned-theta"
+    assert cli(["decompose", "demo", "-o", str(out), "--align", *args]) == 0
+    text = capsys.readouterr().out
+    assert "alignment: relative distance" in text and "mlp.gate_proj" in text
+    manifest = json.loads((out / "attnquant.json").read_text())
+    assert manifest["aligned"]["applied"] and manifest["source"]["path"] == str(demo)
+    assert (out / ALIGN_MANIFEST_FILE).is_file()
+    assert not list(tmp_path.glob(".aligned-theta.*"))  # the aligned copy is gone
+    theta = ThetaCheckpoint.open(out)
+    rebuilt = dict(theta.rebuilt_state())
+    dense = open_checkpoint(demo)
+    original = {k: dense.get(k) for k in dense.keys()}
+    assert rebuilt.keys() == original.keys()
+    if args[0] == "--blocks":
+        config = json.loads((demo / "config.json").read_text())
+        ids = [5, 17, 300, 42, 7, 1999, 64, 128, 3, 77, 250, 11]
+        want = llama_logits(config, original, ids)
+        got = llama_logits(config, rebuilt, ids)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        moved = [k for k in original if not np.array_equal(rebuilt[k], original[k])]
+        assert moved  # alignment changed the parametrisation...
+        restored = unalign_state(rebuilt, load_align_transforms(out))
+        for key, array in original.items():  # ...and the record takes it back
+            np.testing.assert_allclose(restored[key], array, rtol=0, atol=1e-5)
+
+
+def test_decompose_align_refuses_an_existing_output(src, tmp_path, capsys):
+    out = tmp_path / "theta"
+    out.mkdir()
+    assert cli(["decompose", str(src), "-o", str(out), "--align"]) == 2
+    assert "already exists" in capsys.readouterr().err

@@ -35,7 +35,8 @@ def test_analyze_writes_table_csv_json_png(src, tmp_path, capsys):
     assert data["blocks"] == [1, 2, 4]
     assert data["ranks"] == [0, 4]
     assert {"points", "svd_curve", "checkpoint"} <= set(data)
-    assert set(data["points"][0]) == set(CSV_FIELDS)
+    assert set(data["points"][0]) == set(CSV_FIELDS) - {"budget", "forms"}
+    assert data["budget_frontier"] == []
     assert {"rank", "stored_parameters", "compression", "error"} <= set(data["svd_curve"][0])
     assert (out / "analyze.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".tmp-*"))

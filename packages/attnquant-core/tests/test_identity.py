@@ -75,10 +75,15 @@ def test_family_theta_validates_bands_and_shapes():
         FamilyTheta(name="f", shared=(np.ones((3, 5)),), bands=(0,), layers=(layer,))
 
 
-def test_theta_model_needs_one_band_map():
+def test_theta_model_bands_are_per_family_but_layers_are_shared():
     layer = LayerTheta(s=np.ones(3), U=np.ones((3, 1)), V=np.ones((4, 1)))
     W0 = np.ones((3, 4))
     a = FamilyTheta(name="a", shared=(W0,), bands=(0, 0), layers=(layer, layer))
     b = FamilyTheta(name="b", shared=(W0, W0), bands=(0, 1), layers=(layer, layer))
-    with pytest.raises(ThetaFormatError, match="same layers and bands"):
-        ThetaModel(families={"a": a, "b": b})
+    model = ThetaModel(families={"a": a, "b": b})
+    assert model.blocks is None  # the banded families disagree
+    assert ThetaModel(families={"a": a}).blocks == 1
+    assert ThetaModel(families={"b": b}).passthrough
+    c = FamilyTheta(name="c", shared=(W0,), bands=(0, 0, 0), layers=(layer,) * 3)
+    with pytest.raises(ThetaFormatError, match="same number of layers"):
+        ThetaModel(families={"a": a, "c": c})

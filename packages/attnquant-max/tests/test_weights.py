@@ -225,3 +225,71 @@ def test_weight_data_from_numpy_keeps_values_and_order(dtype: type) -> None:
     assert [int(d) for d in data.shape] == [4, 3]
     back = np.from_dlpack(data.astype(DType.float32).data)
     np.testing.assert_array_equal(back, array.astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def tiny_budget(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama fitted to half its size: forms and ranks chosen per family and layer."""
+    from attnquant_core import decompose_checkpoint
+
+    out = tmp_path_factory.mktemp("ckpt") / "budget"
+    decompose_checkpoint(tiny_dense, out, budget=0.5)
+    return out
+
+
+def test_budget_checkpoint_serves_every_form_on_precompute_outside(tiny_budget: Path) -> None:
+    from attnquant_core import ThetaCheckpoint
+
+    ckpt = ThetaCheckpoint.open(tiny_budget)
+    plan = plan_serving(tiny_budget, AttnquantConfig())
+    assert plan.forms == ckpt.forms and plan.rebuilds and not plan.passthrough
+    line = plan.describe()
+    assert "forms:" in line and "precompute-outside" in line
+    state = dict(plan.state())
+    for name in ckpt.families:
+        for layer in range(LAYERS):
+            key = f"model.layers.{layer}.{name}.weight"
+            np.testing.assert_array_equal(state[key], ckpt.rebuild(name, layer))
+    assert not any(".theta_" in k or k.startswith("attnquant.") for k in state)
+
+
+@pytest.mark.parametrize("env", [{"ATTNQUANT_PRECOMPUTE": "1"}, {"ATTNQUANT_GEMM": "1"}])
+def test_in_graph_paths_refuse_forms_they_do_not_serve(tiny_budget: Path, env: dict) -> None:
+    from attnquant_core import ThetaCheckpoint
+
+    if all(f == "banded" for f in ThetaCheckpoint.open(tiny_budget).forms.values()):
+        pytest.skip("the budget chose banded theta for every family")  # pragma: no cover
+    config = AttnquantConfig.from_env({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", **env})
+    with pytest.raises(NotImplementedError, match="ATTNQUANT_PRECOMPUTE_OUTSIDE=1"):
+        plan_serving(tiny_budget, config)
+
+
+def test_in_graph_tensors_pad_per_layer_ranks_exactly() -> None:
+    from attnquant_core import FamilyTheta, LayerTheta
+    from attnquant_max._layout import InGraphLayout, ingraph_tensors
+
+    rng = np.random.default_rng(0)
+    shapes = {"self_attn.q_proj": (8, 16), "self_attn.k_proj": (4, 16)}
+    families = {}
+    for (name, (o, i)), ranks in zip(shapes.items(), [(1, 3), (2, 0)], strict=True):
+        W0 = rng.normal(size=(o, i)).astype(np.float32)
+        layers = tuple(
+            LayerTheta(
+                s=rng.normal(size=o).astype(np.float32),
+                U=rng.normal(size=(o, r)).astype(np.float32),
+                V=rng.normal(size=(i, r)).astype(np.float32),
+            )
+            for r in ranks
+        )
+        families[name] = FamilyTheta(name=name, shared=(W0,), bands=(0, 0), layers=layers)
+    tensors = dict(ingraph_tensors(families, stack="layers", gemm=False, fuse=False))
+    layout = InGraphLayout.from_state(
+        {k: v.shape for k, v in tensors.items()}, list(shapes), fuse=False
+    )
+    assert layout is not None and layout.ranks == {"self_attn.q_proj": 3, "self_attn.k_proj": 2}
+    for name, fam in families.items():
+        for layer in range(2):
+            U = tensors[f"layers.{layer}.{name}.theta_U"]
+            V = tensors[f"layers.{layer}.{name}.theta_V"]
+            t = fam.layers[layer]
+            np.testing.assert_array_equal(U @ V.T, t.U @ t.V.T)

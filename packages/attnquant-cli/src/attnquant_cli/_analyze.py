@@ -1,18 +1,30 @@
-"""``attnquant analyze``: error against compression over a G x r sweep, beside per-layer SVD."""
+"""``attnquant analyze``: error against compression over a G x r sweep, beside per-layer SVD.
+
+With budgets, the auto form's frontier (each family's form and ranks chosen for the least
+total error at each budget) is added beside per-layer SVD with globally allocated ranks.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.table import Table
 
-from attnquant_core import SweepResult
+from attnquant_core import FrontierPoint, SweepResult
 
-__all__ = ["sweep_table", "write_atomic", "write_csv", "write_json", "write_plot"]
+__all__ = [
+    "CSV_FIELDS",
+    "frontier_table",
+    "sweep_table",
+    "write_atomic",
+    "write_csv",
+    "write_json",
+    "write_plot",
+]
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -36,7 +48,59 @@ CSV_FIELDS = (
     "svd_rank",
     "svd_stored_parameters",
     "svd_error",
+    "budget",  # frontier rows (family "auto") only
+    "forms",  # frontier rows: the form chosen per family
 )
+
+
+def _short(family: str) -> str:
+    return family.split(".")[-1]
+
+
+def forms_text(point: FrontierPoint) -> str:
+    """``q_proj=lowrank;k_proj=shared_basis(in, G=3);...``: the form chosen per family."""
+    return ";".join(f"{_short(n)}={label}" for n, label in point.forms.items())
+
+
+def frontier_row(point: FrontierPoint) -> dict:
+    """One CSV row: the auto form at a budget, per-layer SVD with global ranks in svd_*."""
+    return {
+        "family": "auto",
+        "blocks": "",
+        "rank": "",
+        "stored_parameters": point.stored,
+        "dense_parameters": point.dense,
+        "compression": point.compression,
+        "error": point.error,
+        "svd_rank": "",
+        "svd_stored_parameters": point.baseline_stored,
+        "svd_error": point.baseline_error,
+        "budget": point.budget,
+        "forms": forms_text(point),
+    }
+
+
+def frontier_table(points: Sequence[FrontierPoint], title: str) -> Table:
+    """Per budget: the auto form's error, per-layer SVD with global ranks, and the forms."""
+    table = Table(title=title)
+    for col in ("budget", "compression", "auto error", "per-layer SVD error", "auto - SVD"):
+        table.add_column(col, justify="right")
+    table.add_column("forms chosen", justify="left", overflow="fold")
+    for p in points:
+        diff = p.error - p.baseline_error
+        style = "green" if diff < 0 else "red" if diff > 0 else ""
+        counts: dict[str, int] = {}
+        for label in p.forms.values():
+            counts[label] = counts.get(label, 0) + 1
+        table.add_row(
+            f"{p.budget:g}",
+            f"{p.compression:.2f}x",
+            f"{p.error:.4f}",
+            f"{p.baseline_error:.4f}",
+            f"[{style}]{diff:+.4f}[/{style}]" if style else f"{diff:+.4f}",
+            ", ".join(f"{n}x {label}" for label, n in counts.items()),
+        )
+    return table
 
 
 def sweep_table(result: SweepResult, title: str) -> Table:
@@ -58,29 +122,47 @@ def sweep_table(result: SweepResult, title: str) -> Table:
     return table
 
 
-def write_csv(result: SweepResult, path: Path) -> None:
-    """One row per (family or total, G, r)."""
+def write_csv(
+    result: SweepResult, path: Path, *, frontier: Sequence[FrontierPoint] | None = None
+) -> None:
+    """One row per (family or total, G, r), then one row per budget of the frontier."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, restval="")
         writer.writeheader()
         for p in result.points:
             writer.writerow(p.to_json())
+        for point in frontier or ():
+            writer.writerow(frontier_row(point))
 
 
-def write_json(result: SweepResult, path: Path, *, checkpoint: str) -> None:
-    """The points and the per-layer SVD curve, with what was swept."""
+def write_json(
+    result: SweepResult,
+    path: Path,
+    *,
+    checkpoint: str,
+    frontier: Sequence[FrontierPoint] | None = None,
+) -> None:
+    """The points, the per-layer SVD curve and the budget frontier, with what was swept."""
     payload = {
         "checkpoint": checkpoint,
         "blocks": sorted({p.blocks for p in result.points}),
         "ranks": sorted({p.rank for p in result.points}),
         "points": [p.to_json() for p in result.points],
         "svd_curve": result.svd_curve,
+        "budget_frontier": [p.to_json() for p in frontier or ()],
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def write_plot(result: SweepResult, path: Path, *, title: str) -> None:
-    """Total relative error against compression ratio: one theta curve per G, one SVD curve."""
+def write_plot(
+    result: SweepResult,
+    path: Path,
+    *,
+    title: str,
+    frontier: Sequence[FrontierPoint] | None = None,
+) -> None:
+    """Total relative error against compression ratio: one theta curve per G, one SVD curve,
+    and with budgets the auto form's frontier beside per-layer SVD with global ranks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,6 +198,32 @@ def write_plot(result: SweepResult, path: Path, *, title: str) -> None:
         linestyle="--",
         label="per-layer truncated SVD",
     )
+    if frontier:
+        pts = sorted(frontier, key=lambda p: p.compression)
+        ax.plot(
+            [p.compression for p in pts],
+            [p.error for p in pts],
+            color="tab:red",
+            marker="s",
+            label="auto form at a budget",
+        )
+        ax.plot(
+            [p.baseline_compression for p in pts],
+            [p.baseline_error for p in pts],
+            color="gray",
+            marker="x",
+            linestyle=":",
+            label="per-layer SVD, globally allocated ranks",
+        )
+        for p in pts:
+            ax.annotate(
+                f"b={p.budget:g}",
+                (p.compression, p.error),
+                fontsize=7,
+                alpha=0.7,
+                xytext=(3, -9),
+                textcoords="offset points",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("compression ratio (dense / stored parameters)")
     ax.set_ylabel("relative Frobenius error (all projections)")

@@ -10,19 +10,34 @@ import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from attnquant_core import AttnquantError, DecomposeProgress, decompose_checkpoint
+from attnquant_core import (
+    AttnquantError,
+    DecomposeProgress,
+    DecompositionError,
+    decompose_checkpoint,
+)
 
 from ._demo import demo_model_path
 from ._prompts import VERIFY_PROMPTS
+
+if TYPE_CHECKING:
+    from attnquant_core import BudgetReport
 
 __all__ = ["app", "cli", "main"]
 
@@ -42,37 +57,157 @@ def _root() -> None:
     """Compress decoder LLM projections into theta bundles and serve them through MAX."""
 
 
-@app.command()
-def decompose(
-    ckpt: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (or 'demo').")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Theta checkpoint to write.")],
-    blocks: Annotated[
-        str, typer.Option(help="Shared blocks G per family, or 'layers' (passthrough).")
-    ] = "1",
-    rank: Annotated[int, typer.Option(min=0, help="Rank r of the per-layer correction.")] = 16,
-    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
-) -> None:
-    """Decompose every projection family of CKPT into a theta checkpoint."""
-    src = demo_model_path() if str(ckpt) == "demo" else ckpt
-    with Progress(
-        TextColumn("{task.description:<18}"),
+def _budget_value(text: str) -> float:
+    """``--budget`` as a float in (0, 1], else a one-line error naming the option."""
+    from attnquant_core import check_budget
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise DecompositionError(
+            f"--budget {text!r} is not a number; give stored/dense parameters in (0, 1], e.g. 0.5"
+        ) from None
+    try:
+        return check_budget(value)
+    except DecompositionError:
+        raise DecompositionError(
+            f"--budget {text}: must be in (0, 1] (stored parameters over dense parameters of "
+            f"the projections; 0.5 keeps half)"
+        ) from None
+
+
+def _progress_bars() -> Progress:
+    return Progress(
+        TextColumn("{task.description:<26}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("err {task.fields[error]:.4f}"),
         TimeElapsedColumn(),
         console=console,
-    ) as progress:
-        tasks: dict[str, int] = {}
+    )
 
-        def report(event: DecomposeProgress) -> None:
-            if event.family not in tasks:
-                tasks[event.family] = progress.add_task(
-                    event.family, total=event.num_layers, error=0.0
-                )
-            progress.update(tasks[event.family], advance=1, error=event.error)
 
+def _reporter(progress: Progress) -> Callable[[DecomposeProgress], None]:
+    tasks: dict[tuple[str, str], TaskID] = {}
+
+    def report(event: DecomposeProgress) -> None:
+        key = (event.family, event.stage)
+        if key not in tasks:
+            what = event.family if event.stage == "fit" else f"{event.family} ({event.stage})"
+            tasks[key] = progress.add_task(what, total=event.num_layers, error=0.0)
+        error = event.error if event.error == event.error else 0.0  # NaN while measuring
+        progress.update(tasks[key], advance=1, error=error)
+
+    return report
+
+
+@app.command()
+def decompose(
+    ckpt: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (or 'demo').")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Theta checkpoint to write.")],
+    blocks: Annotated[
+        str | None,
+        typer.Option(help="Shared blocks G per family, or 'layers' (passthrough). [default: 1]"),
+    ] = None,
+    rank: Annotated[
+        int | None, typer.Option(min=0, help="Rank r of the per-layer correction. [default: 16]")
+    ] = None,
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="Stored/dense parameters in (0, 1]: choose each family's form and every "
+            "layer's rank for the least total error at that size (excludes --blocks/--rank)."
+        ),
+    ] = None,
+    align: Annotated[
+        bool,
+        typer.Option(
+            help="First align each family's layers to their band mean (one band for --budget "
+            "and at passthrough) by function-preserving permutations and rotations (Llama-style "
+            "models); the transforms are recorded in OUTPUT/attnquant-align.{json,npz}."
+        ),
+    ] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """Decompose every projection family of CKPT into a theta checkpoint."""
+    src = demo_model_path() if str(ckpt) == "demo" else ckpt
+    if budget is not None and (blocks is not None or rank is not None):
+        raise DecompositionError(
+            "--budget chooses every family's form, bands and ranks; "
+            "give either --budget or --blocks/--rank, not both"
+        )
+    value = None if budget is None else _budget_value(budget)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; remove it or pass --overwrite")
+    if not align:
+        _decompose(src, output, blocks, rank, value, overwrite=overwrite)
+        return
+    import tempfile
+
+    from attnquant_core import align_checkpoint
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.align-", dir=output.parent) as tmp:
+        # Align to the bands the decomposition will use; one band (G = 1) for a budget fit
+        # and at passthrough, where bands of one layer would leave nothing to align.
+        plain = blocks is None or value is not None or blocks.strip().lower() == "layers"
+        G: int | str = 1 if plain else blocks
+        console.print(f"aligning {src} to its band means (G={G}) ...")
+        report = align_checkpoint(src, Path(tmp) / "aligned", blocks=G)
+        table = Table(title="alignment: relative distance of the layers to their band mean")
+        for col in ("family", "before", "after", "after / before"):
+            table.add_column(col, justify="left" if col == "family" else "right")
+        for name, (before, after) in report.distances.items():
+            ratio = after / before if before > 0 else 1.0
+            table.add_row(name, f"{before:.4f}", f"{after:.4f}", f"{ratio:.3f}")
+        out.print(table)
+        for note in report.notes:
+            console.print(f"note: {note}")
+        _decompose(report.path, output, blocks, rank, value, overwrite=overwrite)
+    _record_source(output, src, aligned=True)
+
+
+def _record_source(output: Path, src: Path, *, aligned: bool) -> None:
+    """Say in OUTPUT's manifest that it was fitted to an aligned copy of ``src``."""
+    import json
+    import os
+
+    from attnquant_core import ALIGN_MANIFEST_FILE, MANIFEST_FILE
+
+    manifest_file = output / MANIFEST_FILE
+    manifest = json.loads(manifest_file.read_text())
+    manifest["source"]["path"] = str(src)
+    manifest["aligned"] = {
+        "applied": aligned,
+        "transforms": ALIGN_MANIFEST_FILE,
+        "note": "weights and source digests are those of the aligned copy; the same function",
+    }
+    tmp = manifest_file.with_name(f".{MANIFEST_FILE}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, manifest_file)
+
+
+def _decompose(
+    src: Path,
+    output: Path,
+    blocks: str | None,
+    rank: int | None,
+    budget: float | None,
+    *,
+    overwrite: bool,
+) -> None:
+    """Fit to ``budget``, or band every family with ``blocks``/``rank``; print the summary."""
+    if budget is not None:
+        _decompose_budget(src, output, budget, overwrite=overwrite)
+        return
+    with _progress_bars() as progress:
         manifest = decompose_checkpoint(
-            src, output, blocks=blocks, rank=rank, progress=report, overwrite=overwrite
+            src,
+            output,
+            blocks="1" if blocks is None else blocks,
+            rank=16 if rank is None else rank,
+            progress=_reporter(progress),
+            overwrite=overwrite,
         )
     table = Table(title=f"{output}  (G={manifest['blocks']}, r={manifest['rank']})")
     for col in ("family", "shape", "bands", "rank", "rel. error", "stored / dense"):
@@ -80,21 +215,72 @@ def decompose(
     total_stored = total_dense = 0
     for name, fam in manifest["families"].items():
         out_dim, in_dim = fam["shape"]
-        L, G, r = len(fam["bands"]), max(fam["bands"]) + 1, fam["rank"]
-        stored = G * out_dim * in_dim + L * (out_dim + r * (out_dim + in_dim))
-        dense = L * out_dim * in_dim
+        stored, dense = fam["stored_parameters"], fam["dense_parameters"]
         total_stored += stored
         total_dense += dense
         table.add_row(
             name,
             f"{out_dim}x{in_dim}",
-            str(G),
-            str(r),
+            str(fam["blocks"]),
+            str(fam["rank"]),
             f"{fam['error']:.4f}",
             f"{stored / dense:.3f}",
         )
     table.add_row("total", "", "", "", "", f"{total_stored / total_dense:.3f}", style="bold")
     out.print(table)
+
+
+def _decompose_budget(src: Path, output: Path, budget: float, *, overwrite: bool) -> None:
+    """``decompose --budget``: fit, then say per family what was chosen and why."""
+    from attnquant_core import decompose_budget
+
+    with _progress_bars() as progress:
+        report = decompose_budget(
+            src, output, budget=budget, progress=_reporter(progress), overwrite=overwrite
+        )
+    out.print(budget_table(report, title=f"{output}  (budget {budget:g}, auto form)"))
+
+
+def budget_table(report: BudgetReport, *, title: str) -> Table:
+    """Per family: form, bands, ranks, size, error and why; the totals; the SVD baseline."""
+    table = Table(title=title, show_lines=False)
+    for col in ("family", "form", "bands", "ranks min-max (mean)", "stored / dense", "rel. error"):
+        table.add_column(col, justify="left" if col in ("family", "form") else "right")
+    table.add_column("why", justify="left", overflow="fold")
+    for name, c in report.families.items():
+        error = c.measured_error if c.measured_error is not None else c.error
+        table.add_row(
+            name,
+            c.form if c.side is None else f"{c.form} ({c.side})",
+            "-" if c.blocks is None else str(c.blocks),
+            f"{min(c.ranks)}-{max(c.ranks)} ({sum(c.ranks) / len(c.ranks):.1f})",
+            f"{c.stored / c.dense:.3f}",
+            f"{error:.4f}",
+            c.why,
+        )
+    measured = report.measured_error
+    table.add_row(
+        "total",
+        "",
+        "",
+        "",
+        f"{report.stored / report.dense:.3f}",
+        f"{measured if measured is not None else report.error:.4f}",
+        "no mix of forms beat per-layer SVD: this is the baseline" if report.used_baseline else "",
+        style="bold",
+    )
+    if report.baseline:
+        table.add_row(
+            "per-layer SVD",
+            "lowrank",
+            "-",
+            "global ranks",
+            f"{report.baseline_stored / report.dense:.3f}",
+            f"{report.baseline_error:.4f}",
+            "the baseline at the same budget (error predicted from singular values)",
+            style="dim",
+        )
+    return table
 
 
 @app.command()
@@ -154,17 +340,32 @@ def analyze(
         str, typer.Option(help="Comma-separated G values ('layers' allowed).")
     ] = "1,2",
     rank: Annotated[str, typer.Option(help="Comma-separated ranks r.")] = "0,8,32",
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated budgets in (0, 1] (stored/dense parameters): add the auto "
+            "form's frontier beside per-layer SVD with globally allocated ranks."
+        ),
+    ] = None,
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Directory for analyze.{csv,json,png}.")
     ] = Path("attnquant-analyze"),
 ) -> None:
     """Sweep G x r: error against compression, beside per-layer SVD at the same size."""
-    from attnquant_core import open_checkpoint, sweep
+    from attnquant_core import budget_frontier, open_checkpoint, sweep
 
-    from ._analyze import sweep_table, write_atomic, write_csv, write_json, write_plot
+    from ._analyze import (
+        frontier_table,
+        sweep_table,
+        write_atomic,
+        write_csv,
+        write_json,
+        write_plot,
+    )
 
     src = demo_model_path() if ckpt == "demo" else Path(ckpt)
     Gs, ranks = _int_list(blocks, "blocks"), _int_list(rank, "rank")
+    budgets = [_budget_value(b.strip()) for b in budget.split(",")] if budget is not None else []
     checkpoint = open_checkpoint(src)
     with Progress(
         TextColumn("{task.description:<30}"),
@@ -179,12 +380,31 @@ def analyze(
             progress.update(task, advance=1, description=what)
 
         result = sweep(checkpoint, blocks=Gs, ranks=ranks, progress=step)  # type: ignore[arg-type]
+        frontier = None
+        if budgets:
+            spectra = progress.add_task(
+                "budget spectra", total=len(checkpoint.families) * checkpoint.num_layers
+            )
+            frontier = budget_frontier(
+                checkpoint,
+                budgets,
+                progress=lambda event: progress.update(
+                    spectra, advance=1, description=f"spectra {event.family}"
+                ),
+            )
     output.mkdir(parents=True, exist_ok=True)
     title = f"{src.name}: error against compression"
-    write_atomic(output / "analyze.csv", lambda p: write_csv(result, p))
-    write_atomic(output / "analyze.json", lambda p: write_json(result, p, checkpoint=str(src)))
-    write_atomic(output / "analyze.png", lambda p: write_plot(result, p, title=title))
+    write_atomic(output / "analyze.csv", lambda p: write_csv(result, p, frontier=frontier))
+    write_atomic(
+        output / "analyze.json",
+        lambda p: write_json(result, p, checkpoint=str(src), frontier=frontier),
+    )
+    write_atomic(
+        output / "analyze.png", lambda p: write_plot(result, p, title=title, frontier=frontier)
+    )
     out.print(sweep_table(result, title))
+    if frontier:
+        out.print(frontier_table(frontier, f"{src.name}: budget frontier (auto form)"))
     console.print(f"wrote {output}/analyze.csv, analyze.json, analyze.png", highlight=False)
 
 
@@ -327,6 +547,12 @@ def verify(
         f"{report.num_prompts} x {report.num_tokens // max(report.num_prompts, 1)}",
         "",
     )
+    if report.base_weight_bytes and report.theta_weight_bytes:
+        table.add_row(
+            "weights held (theta / base)",
+            f"{report.theta_weight_bytes / 2**20:.2f} / {report.base_weight_bytes / 2**20:.2f} MiB",
+            f"{report.theta_weight_bytes / report.base_weight_bytes:.3f}x",
+        )
     out.print(table)
     out.print(f"verdict: {verdict}")
     if output is not None:

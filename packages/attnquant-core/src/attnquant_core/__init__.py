@@ -1,16 +1,30 @@
 """attnquant-core: theta bundles for the linear projections of decoder LLMs, in numpy.
 
-Each projection family (``self_attn.q_proj`` ... ``mlp.down_proj``) is stored as a shared block
-``W0`` per band of layers, a per-row scale ``s`` and a low-rank correction ``U V^T``::
+Each projection family (``self_attn.q_proj`` ... ``mlp.down_proj``) is stored in one form of
+the identity::
 
     W_eff = diag(s) @ W0 + U @ V.T          y = s * (W0 x) + U (V^T x)
 
-This package decomposes checkpoints, rebuilds and applies the identity, reads and writes
-theta checkpoints, and measures error against compression. It never imports MAX.
+``banded`` (a shared block ``W0`` per band of layers, per-row scale ``s``, low-rank correction),
+``lowrank`` (``s`` and ``W0`` absent) or ``shared_basis`` (``U`` or ``V`` shared by a band).
+This package decomposes checkpoints (at fixed ``G``, ``r`` or at a global parameter budget),
+rebuilds and applies the identity, reads and writes theta checkpoints, and measures error
+against compression. It never imports MAX.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._align import (
+    ALIGN_MANIFEST_FILE,
+    ALIGN_TRANSFORMS_FILE,
+    AlignError,
+    AlignReport,
+    AlignTransforms,
+    align_checkpoint,
+    align_state,
+    load_align_transforms,
+    unalign_state,
+)
 from ._analysis import (
     FamilyReport,
     ModelReport,
@@ -22,6 +36,16 @@ from ._analysis import (
     sweep,
 )
 from ._bands import band_of_layers, band_sizes, resolve_blocks
+from ._budget import (
+    BUDGET_EXACT_MAX_DIM,
+    BudgetReport,
+    FamilyChoice,
+    FrontierPoint,
+    budget_frontier,
+    check_budget,
+    decompose_budget,
+    fit_budget,
+)
 from ._checkpoint import FAMILIES, Checkpoint, FamilyInfo, open_checkpoint, parse_projection_key
 from ._decompose import (
     FamilyErrors,
@@ -45,6 +69,7 @@ from ._format import (
     DecomposeProgress,
     ThetaCheckpoint,
     atomic_directory,
+    basis_key,
     copy_side_files,
     decompose_checkpoint,
     is_theta_checkpoint,
@@ -53,9 +78,10 @@ from ._format import (
     shared_key,
     theta_key,
 )
+from ._forms import LowRankFamily, SharedBasisFamily
 from ._safetensors_io import dtype_from_name, dtype_name
 from ._svd import LowRank, compute_dtype, randomized_svd, truncated_svd
-from ._theta import FamilyTheta, LayerTheta, ThetaModel, apply, reconstruct
+from ._theta import FORMS, FamilyTheta, LayerTheta, ThetaFamily, ThetaModel, apply, reconstruct
 
 try:
     __version__ = version("attnquant-core")
@@ -63,9 +89,23 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    # function-preserving alignment
+    "ALIGN_MANIFEST_FILE",
+    "ALIGN_TRANSFORMS_FILE",
+    "AlignError",
+    "AlignReport",
+    "AlignTransforms",
+    "align_checkpoint",
+    "align_state",
+    "load_align_transforms",
+    "unalign_state",
     # theta types and the identity
+    "FORMS",
     "FamilyTheta",
     "LayerTheta",
+    "LowRankFamily",
+    "SharedBasisFamily",
+    "ThetaFamily",
     "ThetaModel",
     "apply",
     "reconstruct",
@@ -79,6 +119,15 @@ __all__ = [
     "fit_layer",
     "resolve_blocks",
     "row_scale",
+    # the global budget
+    "BUDGET_EXACT_MAX_DIM",
+    "BudgetReport",
+    "FamilyChoice",
+    "FrontierPoint",
+    "budget_frontier",
+    "check_budget",
+    "decompose_budget",
+    "fit_budget",
     # truncated SVD
     "LowRank",
     "compute_dtype",
@@ -98,6 +147,7 @@ __all__ = [
     "DecomposeProgress",
     "ThetaCheckpoint",
     "atomic_directory",
+    "basis_key",
     "copy_side_files",
     "decompose_checkpoint",
     "is_theta_checkpoint",

@@ -19,7 +19,7 @@ from ._decompose import (
     row_scale,
 )
 from ._svd import compute_dtype, truncated_svd
-from ._theta import FamilyTheta
+from ._theta import ThetaFamily
 
 __all__ = [
     "FamilyReport",
@@ -41,8 +41,8 @@ def relative_error(W: np.ndarray, W_eff: np.ndarray) -> float:
     return diff / norm if norm > 0 else diff
 
 
-def stored_parameters(theta: FamilyTheta) -> int:
-    """Numbers a family stores: every ``W0`` once plus ``s``, ``U``, ``V`` per layer."""
+def stored_parameters(theta: ThetaFamily) -> int:
+    """Numbers a family stores, in any form (``W0``, bases once; ``s``, ``U``, ``V`` per layer)."""
     return theta.stored_parameters()
 
 

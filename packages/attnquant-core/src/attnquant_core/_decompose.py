@@ -10,7 +10,7 @@ import numpy as np
 
 from ._bands import band_of_layers, band_sizes, resolve_blocks
 from ._errors import DecompositionError
-from ._svd import compute_dtype, truncated_svd
+from ._svd import EXACT_MAX_DIM, compute_dtype, truncated_svd
 from ._theta import FamilyTheta, LayerTheta
 
 __all__ = [
@@ -91,6 +91,20 @@ def check_rank(name: str, shape: tuple[int, int], rank: int) -> int:
     return int(rank)
 
 
+def residual(W: np.ndarray, W0: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The row scale ``s`` rounded to ``dtype`` and ``R = W - diag(s) W0`` in the compute dtype.
+
+    ``W0`` is the stored (rounded) block, so ``R`` is exactly what the correction must carry.
+    """
+    cdt = compute_dtype(np.result_type(W.dtype, dtype))
+    Wc = np.asarray(W, dtype=cdt)
+    W0c = np.asarray(W0, dtype=cdt)
+    s = row_scale(Wc, W0c).astype(dtype)
+    R = s.astype(cdt)[:, np.newaxis] * W0c  # one [out, in] temporary: R = W - diag(s) W0
+    np.subtract(Wc, R, out=R)
+    return s, R
+
+
 def fit_layer(
     W: np.ndarray,
     W0: np.ndarray,
@@ -99,32 +113,34 @@ def fit_layer(
     dtype: np.dtype,
     svd: SVDOptions = SVDOptions(),
     seed: Sequence[int] = (),
+    exact_max_dim: int = EXACT_MAX_DIM,
+    sketch_rank: int | None = None,
 ) -> LayerFit:
     """Fit ``W ≈ diag(s) W0 + U V^T`` and round every stored tensor to ``dtype``.
 
     ``W0`` must already be the stored (rounded) shared block, so the residual is taken against
     exactly what a reader will rebuild from. Computes in float32 (float64 for float64 input).
+    ``exact_max_dim`` is passed to :func:`truncated_svd`; ``sketch_rank`` (>= ``rank``), when
+    given, factors the residual at that rank and keeps the leading ``rank`` triplets, so that
+    every rank cut from one sketch shares its singular values (the budget allocator's spectra).
     """
     cdt = compute_dtype(np.result_type(W.dtype, dtype))
-    Wc = np.asarray(W, dtype=cdt)
-    W0c = np.asarray(W0, dtype=cdt)
-    s = row_scale(Wc, W0c).astype(dtype)
-    R = s.astype(cdt)[:, np.newaxis] * W0c  # one [out, in] temporary: R = W - diag(s) W0
-    np.subtract(Wc, R, out=R)
+    s, R = residual(W, W0, dtype)
     low = truncated_svd(
         R,
-        rank,
+        rank if sketch_rank is None else max(sketch_rank, rank),
         n_oversamples=svd.n_oversamples,
         n_iter=svd.n_iter,
         random_state=np.random.default_rng([svd.random_state, *seed]),
+        exact_max_dim=exact_max_dim,
     )
-    U, V = low.U.astype(dtype), low.V.astype(dtype)
+    U, V = low.U[:, :rank].astype(dtype), low.V[:, :rank].astype(dtype)
     # The achieved error, from what is stored: R - U V^T is W - W_eff.
     if rank:
         R -= U.astype(cdt) @ V.astype(cdt).T
-    norm = float(np.linalg.norm(Wc))
+    norm = float(np.linalg.norm(np.asarray(W, dtype=cdt)))
     error = float(np.linalg.norm(R)) / norm if norm > 0 else 0.0
-    return LayerFit(LayerTheta(s=s, U=U, V=V), error, norm, low.S)
+    return LayerFit(LayerTheta(s=s, U=U, V=V), error, norm, low.S[:rank])
 
 
 def band_mean(weights: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:

@@ -2,37 +2,76 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 import numpy as np
 
 from ._errors import ThetaFormatError
 from ._svd import compute_dtype
 
-__all__ = ["FamilyTheta", "LayerTheta", "ThetaModel", "apply", "reconstruct"]
+if TYPE_CHECKING:
+    from ._forms import LowRankFamily, SharedBasisFamily
+
+__all__ = [
+    "FORMS",
+    "FamilyTheta",
+    "LayerTheta",
+    "ThetaFamily",
+    "ThetaModel",
+    "apply",
+    "common_blocks",
+    "reconstruct",
+]
+
+#: The forms a family may be stored in (``"form"`` in ``attnquant.json``).
+FORMS: tuple[str, ...] = ("banded", "lowrank", "shared_basis")
+ThetaFamily: TypeAlias = "FamilyTheta | LowRankFamily | SharedBasisFamily"
 
 
 def _f(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.asarray(a, dtype=dtype)
 
 
-def reconstruct(s: np.ndarray, W0: np.ndarray, U: np.ndarray, V: np.ndarray) -> np.ndarray:
-    """The effective weight ``diag(s) @ W0 + U @ V.T`` (``[out, in]``), in float32 or float64."""
-    dtype = compute_dtype(np.result_type(s.dtype, W0.dtype, U.dtype, V.dtype))
+def _dtype_of(*arrays: np.ndarray | None) -> np.dtype:
+    return compute_dtype(np.result_type(*(a.dtype for a in arrays if a is not None)))
+
+
+def reconstruct(
+    s: np.ndarray | None, W0: np.ndarray | None, U: np.ndarray, V: np.ndarray
+) -> np.ndarray:
+    """The effective weight ``diag(s) @ W0 + U @ V.T`` (``[out, in]``), in float32 or float64.
+
+    ``s`` and ``W0`` may both be ``None`` (the part is absent, as in the low-rank and
+    shared-basis forms): then the weight is ``U @ V.T``.
+    """
+    if (s is None) != (W0 is None):
+        raise ThetaFormatError("reconstruct needs s and W0 both given or both None")
+    dtype = _dtype_of(s, W0, U, V)
+    if s is None or W0 is None:
+        return _f(U, dtype) @ _f(V, dtype).T
     W = _f(s, dtype)[:, np.newaxis] * _f(W0, dtype)
     if U.shape[1]:
         W += _f(U, dtype) @ _f(V, dtype).T
     return W
 
 
-def apply(x: np.ndarray, s: np.ndarray, W0: np.ndarray, U: np.ndarray, V: np.ndarray) -> np.ndarray:
+def apply(
+    x: np.ndarray, s: np.ndarray | None, W0: np.ndarray | None, U: np.ndarray, V: np.ndarray
+) -> np.ndarray:
     """The identity on activations, ``y = s * (W0 x) + U (V^T x)``, for ``x`` of shape ``[..., in]``.
 
     Never forms the dense ``[out, in]`` matrix; computes in float32 (float64 for float64 input).
+    ``s`` and ``W0`` may both be ``None`` (absent): then ``y = U (V^T x)``.
     """
-    dtype = compute_dtype(np.result_type(x.dtype, s.dtype, W0.dtype))
+    if (s is None) != (W0 is None):
+        raise ThetaFormatError("apply needs s and W0 both given or both None")
+    if s is None or W0 is None:
+        dtype = _dtype_of(x, U, V)
+        return (_f(x, dtype) @ _f(V, dtype)) @ _f(U, dtype).T
+    dtype = _dtype_of(x, s, W0)
     x = _f(x, dtype)
     y = (x @ _f(W0, dtype).T) * _f(s, dtype)
     if U.shape[1]:
@@ -69,8 +108,12 @@ class LayerTheta:
 class FamilyTheta:
     """A projection family stored as ``G`` shared blocks plus per-layer ``s``, ``U``, ``V``.
 
-    ``bands[l]`` is the band of layer ``l``; bands are contiguous and cover ``0..G-1``.
+    The ``"banded"`` form. ``bands[l]`` is the band of layer ``l``; bands are contiguous and
+    cover ``0..G-1``. Layers may have different correction ranks (format version 2).
     """
+
+    form: ClassVar[str] = "banded"
+    side: ClassVar[None] = None
 
     name: str
     shared: tuple[np.ndarray, ...]
@@ -130,6 +173,29 @@ class FamilyTheta:
         """The largest correction rank over the layers."""
         return max(t.rank for t in self.layers)
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The correction rank of every layer."""
+        return tuple(t.rank for t in self.layers)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The storage dtype (of the first shared block)."""
+        return self.shared[0].dtype
+
+    def arrays(self) -> Iterator[np.ndarray]:
+        """Every stored array: the shared blocks, then ``s``, ``U``, ``V`` of each layer."""
+        yield from self.shared
+        for t in self.layers:
+            yield from (t.s, t.U, t.V)
+
+    def factors(
+        self, layer: int
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray, np.ndarray]:
+        """The identity's parts ``(s, W0, U, V)`` of one layer."""
+        t = self.layers[layer]
+        return t.s, self.W0(layer), t.U, t.V
+
     def W0(self, layer: int) -> np.ndarray:
         """The shared block that ``layer`` uses."""
         return self.shared[self.bands[layer]]
@@ -155,11 +221,21 @@ class FamilyTheta:
         return self.num_layers * out_dim * in_dim
 
 
+def common_blocks(families: Iterable[object]) -> int | None:
+    """The ``G`` every banded family shares; ``None`` when none is banded or they disagree."""
+    Gs = {f.blocks for f in families if getattr(f, "form", None) == "banded"}  # type: ignore[attr-defined]
+    return Gs.pop() if len(Gs) == 1 else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ThetaModel:
-    """Every decomposed family of one model; all share the layer count and the band map."""
+    """Every decomposed family of one model, in any form; all share the layer count.
 
-    families: Mapping[str, FamilyTheta]
+    Families may be :class:`FamilyTheta` (banded), :class:`~attnquant_core.LowRankFamily` or
+    :class:`~attnquant_core.SharedBasisFamily`, each with its own bands and ranks.
+    """
+
+    families: Mapping[str, ThetaFamily]
     stack: str = "model.layers"
     extra: Mapping[str, np.ndarray] = field(default_factory=dict)
 
@@ -168,14 +244,16 @@ class ThetaModel:
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
         if not self.families:
             raise ThetaFormatError("a ThetaModel needs at least one family")
-        counts = {f.num_layers for f in self.families.values()}
-        bands = {f.bands for f in self.families.values()}
-        if len(counts) != 1 or len(bands) != 1:
-            raise ThetaFormatError(
-                "every family of a ThetaModel must have the same layers and bands; got "
-                + ", ".join(
-                    f"{n}: G={f.blocks}, L={f.num_layers}" for n, f in self.families.items()
+        for n, f in self.families.items():
+            if getattr(f, "form", None) not in FORMS:
+                raise ThetaFormatError(
+                    f"{n}: {type(f).__name__} is not a theta family (forms: {', '.join(FORMS)})"
                 )
+        counts = {f.num_layers for f in self.families.values()}
+        if len(counts) != 1:
+            raise ThetaFormatError(
+                "every family of a ThetaModel must have the same number of layers; got "
+                + ", ".join(f"{n}: L={f.num_layers}" for n, f in self.families.items())
             )
 
     @property
@@ -183,9 +261,29 @@ class ThetaModel:
         return next(iter(self.families.values())).num_layers
 
     @property
-    def blocks(self) -> int:
-        return next(iter(self.families.values())).blocks
+    def blocks(self) -> int | None:
+        """The ``G`` every banded family shares; ``None`` when none is banded or they disagree."""
+        return common_blocks(self.families.values())
+
+    @property
+    def passthrough(self) -> bool:
+        """Whether every family is banded with ``G = L`` (the rebuild is exact)."""
+        return all(f.form == "banded" and f.blocks == f.num_layers for f in self.families.values())
 
     @property
     def rank(self) -> int:
+        """The largest rank of any layer of any family."""
         return max(f.rank for f in self.families.values())
+
+    @property
+    def forms(self) -> dict[str, str]:
+        """The form of every family."""
+        return {n: f.form for n, f in self.families.items()}
+
+    def stored_parameters(self) -> int:
+        """Numbers stored over every family."""
+        return sum(f.stored_parameters() for f in self.families.values())
+
+    def dense_parameters(self) -> int:
+        """Numbers the dense projections store."""
+        return sum(f.dense_parameters() for f in self.families.values())

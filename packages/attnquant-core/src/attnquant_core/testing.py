@@ -67,3 +67,58 @@ def write_checkpoint(directory: Path, tensors: dict[str, np.ndarray], *, shards:
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
     return directory
+
+
+def make_structured_weights(
+    num_layers: int = 8,
+    *,
+    kind: str = "shared",
+    rank: int = 4,
+    noise: float = 0.05,
+    dtype: np.dtype | type = np.float32,
+    prefix: str = "model",
+    seed: int = 0,
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+) -> dict[str, np.ndarray]:
+    """Layers with a known structure, to check which form a global budget picks.
+
+    ``kind``: ``"shared"`` (one dense matrix shared by every layer, plus noise: banded wins),
+    ``"subspace"`` (``A_l B^T`` with ``B [in, rank]`` shared by every layer, plus noise: a
+    shared basis on the input side wins), ``"independent"`` (``A_l B_l^T`` of rank ``rank``,
+    unrelated across layers, plus noise: per-layer low rank wins). Also writes the
+    non-projection keys of :func:`make_weights`.
+    """
+    if kind not in ("shared", "subspace", "independent"):
+        raise ValueError(f"kind must be 'shared', 'subspace' or 'independent', got {kind!r}")
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {}
+    for family, (out_dim, in_dim) in shapes.items():
+        base = rng.standard_normal((out_dim, in_dim))
+        basis = rng.standard_normal((in_dim, rank))
+        for layer in range(num_layers):
+            if kind == "shared":
+                W = base.copy()
+            elif kind == "subspace":
+                W = rng.standard_normal((out_dim, rank)) @ basis.T
+            else:
+                W = rng.standard_normal((out_dim, rank)) @ rng.standard_normal((in_dim, rank)).T
+            W /= np.sqrt(rank if kind != "shared" else 1.0)
+            W += noise * rng.standard_normal((out_dim, in_dim))
+            tensors[f"{prefix}.layers.{layer}.{family}.weight"] = W.astype(dtype)
+    hidden = shapes["self_attn.q_proj"][1]
+    tensors[f"{prefix}.embed_tokens.weight"] = rng.standard_normal((16, hidden)).astype(dtype)
+    tensors[f"{prefix}.norm.weight"] = np.ones(hidden, dtype)
+    return tensors
+
+
+def family_weights(tensors: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]]:
+    """Group ``<stack>.<layer>.<family>.weight`` tensors into per-family lists, in layer order."""
+    from ._checkpoint import parse_projection_key
+
+    found: dict[str, dict[int, np.ndarray]] = {}
+    for key, array in tensors.items():
+        parsed = parse_projection_key(key)
+        if parsed is not None:
+            _, layer, family = parsed
+            found.setdefault(family, {})[layer] = array
+    return {f: [layers[i] for i in sorted(layers)] for f, layers in found.items()}

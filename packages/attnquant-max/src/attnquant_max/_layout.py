@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnquant_core import FamilyTheta, shared_key, theta_key
+from attnquant_core import FamilyTheta, LayerTheta, shared_key, theta_key
 
 __all__ = [
     "FUSED_GROUPS",
@@ -42,6 +42,7 @@ __all__ = [
     "gemm_band_key",
     "gemm_groups",
     "ingraph_tensors",
+    "uniform_ranks",
 ]
 
 #: The projection groups fused into one band weight when ``ATTNQUANT_QKV_FUSE=1``.
@@ -73,14 +74,31 @@ def gemm_groups(families: Sequence[str], *, fuse: bool) -> dict[str, tuple[str, 
     return groups
 
 
-def _uniform_rank(group: str, families: Sequence[FamilyTheta]) -> int:
-    ranks = {t.rank for fam in families for t in fam.layers}
-    if len(ranks) != 1:
-        raise ValueError(
-            f"{group}: the in-graph paths need one rank for every layer of "
-            f"{', '.join(f.name for f in families)}; got ranks {sorted(ranks)}"
-        )
-    return ranks.pop()
+def _padded(fam: FamilyTheta, rank: int) -> FamilyTheta:
+    """``fam`` with every layer's ``U``, ``V`` padded with zero columns to ``rank`` (exact)."""
+    if all(t.rank == rank for t in fam.layers):
+        return fam
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.pad(a, ((0, 0), (0, rank - a.shape[1])))
+
+    layers = tuple(LayerTheta(s=t.s, U=pad(t.U), V=pad(t.V)) for t in fam.layers)
+    return FamilyTheta(name=fam.name, shared=fam.shared, bands=fam.bands, layers=layers)
+
+
+def uniform_ranks(families: Mapping[str, FamilyTheta], *, fuse: bool) -> dict[str, FamilyTheta]:
+    """Each family with one rank per projection group (the group's largest, zeros padded).
+
+    A graph layer has one ``r``; a checkpoint fitted to a budget has a rank per layer.
+    Zero columns of ``U`` and ``V`` add nothing to ``U V^T``, so padding is exact; it costs
+    the padded columns' arithmetic.
+    """
+    out = dict(families)
+    for members in gemm_groups(list(families), fuse=fuse).values():
+        rank = max(t.rank for m in members for t in families[m].layers)
+        for m in members:
+            out[m] = _padded(families[m], rank)
+    return out
 
 
 def ingraph_tensors(
@@ -112,8 +130,9 @@ def ingraph_tensors(
         target = None if dtype is None else dtype.get(name)
         return np.ascontiguousarray(array if target is None else array.astype(target))
 
+    families = uniform_ranks(families, fuse=fuse)
     for name, fam in families.items():
-        rank = _uniform_rank(name, [fam])
+        rank = fam.layers[0].rank
         for layer, t in enumerate(fam.layers):
             yield theta_key(stack, layer, name, "s"), cast(name, t.s)
             if rank:
@@ -127,7 +146,7 @@ def ingraph_tensors(
         return
     for group, members in gemm_groups(list(families), fuse=fuse).items():
         fams = [families[m] for m in members]
-        rank = _uniform_rank(group, fams)
+        rank = fams[0].layers[0].rank
         bands = fams[0].bands
         if any(f.bands != bands for f in fams):
             raise ValueError(f"{group}: {', '.join(members)} have different bands")

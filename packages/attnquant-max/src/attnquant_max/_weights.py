@@ -117,15 +117,20 @@ class ServingPlan:
         ``"precompute-outside"``, ``"gemm"`` or ``"precompute"`` (in-graph).
     accelerator_api : str or None
         What ``max.driver.accelerator_api()`` said, when it decided the path.
+    forms : dict of str to str
+        A theta checkpoint's form per family (``banded``, ``lowrank``,
+        ``shared_basis``); empty for a dense checkpoint. ``blocks`` is ``None``
+        when the families do not share one banded ``G``.
     """
 
     model_path: Path
     source: Literal["theta", "dense"]
-    blocks: int | Literal["layers"]
+    blocks: int | Literal["layers"] | None
     rank: int
     num_layers: int
     path: ServingPath = "precompute-outside"
     accelerator_api: str | None = None
+    forms: dict[str, str] = field(default_factory=dict)
     config: AttnquantConfig = field(repr=False)
 
     @property
@@ -160,7 +165,8 @@ class ServingPlan:
     @property
     def passthrough(self) -> bool:
         """Whether ``G = L``: each layer keeps its own ``W0`` and the rebuild is exact."""
-        return self.blocks == "layers" or self.blocks == self.num_layers
+        banded = all(form == "banded" for form in self.forms.values())
+        return banded and (self.blocks == "layers" or self.blocks == self.num_layers)
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -168,6 +174,11 @@ class ServingPlan:
         if not self.rebuilds:
             return f"attnquant: serving {where} unchanged (passthrough, no rebuild)"
         g = "layers (passthrough)" if self.passthrough else str(self.blocks)
+        if self.blocks is None or any(form != "banded" for form in self.forms.values()):
+            counts: dict[str, int] = {}
+            for form in self.forms.values():
+                counts[form] = counts.get(form, 0) + 1
+            g = f"{self.blocks} (forms: " + ", ".join(f"{n} {f}" for f, n in counts.items()) + ")"
         how = "theta keys" if self.source == "theta" else "decomposition at load"
         if self.in_graph:
             fused = "fused" if self.config.qkv_fuse else "separate (ATTNQUANT_QKV_FUSE=0)"
@@ -319,12 +330,24 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
     path = Path(model_path)
     if is_theta_checkpoint(path):
         ckpt = ThetaCheckpoint.open(path, blocks=config.blocks)
+        forms = ckpt.forms
+        if how["path"] != "precompute-outside" and (
+            ckpt.blocks is None or any(form != "banded" for form in forms.values())
+        ):
+            other = sorted({f"{n}: {f}" for n, f in forms.items() if f != "banded"})
+            raise NotImplementedError(
+                f"{path}: the {how['path']} path (in-graph theta) serves banded families with "
+                f"one G; this checkpoint has {', '.join(other) or 'families with different G'}. "
+                "Serve it with ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_PRECOMPUTE=0 (the "
+                "defaults), which rebuild every form once at load"
+            )
         return ServingPlan(
             model_path=path,
             source="theta",
             blocks=ckpt.blocks,
             rank=ckpt.rank,
             num_layers=ckpt.num_layers,
+            forms=forms,
             config=config,
             **how,
         )
