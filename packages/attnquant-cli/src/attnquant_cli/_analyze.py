@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
@@ -80,6 +81,12 @@ def frontier_row(point: FrontierPoint) -> dict:
     }
 
 
+def _difference(diff: float) -> str:
+    """A signed error difference, green when below the baseline, red when above."""
+    style = "green" if diff < 0 else "red" if diff > 0 else ""
+    return f"[{style}]{diff:+.4f}[/{style}]" if style else f"{diff:+.4f}"
+
+
 def frontier_table(points: Sequence[FrontierPoint], title: str) -> Table:
     """Per budget: the auto form's error, per-layer SVD with global ranks, and the forms."""
     table = Table(title=title)
@@ -87,8 +94,6 @@ def frontier_table(points: Sequence[FrontierPoint], title: str) -> Table:
         table.add_column(col, justify="right")
     table.add_column("forms chosen", justify="left", overflow="fold")
     for p in points:
-        diff = p.error - p.baseline_error
-        style = "green" if diff < 0 else "red" if diff > 0 else ""
         counts: dict[str, int] = {}
         for label in p.forms.values():
             counts[label] = counts.get(label, 0) + 1
@@ -97,7 +102,7 @@ def frontier_table(points: Sequence[FrontierPoint], title: str) -> Table:
             f"{p.compression:.2f}x",
             f"{p.error:.4f}",
             f"{p.baseline_error:.4f}",
-            f"[{style}]{diff:+.4f}[/{style}]" if style else f"{diff:+.4f}",
+            _difference(p.error - p.baseline_error),
             ", ".join(f"{n}x {label}" for label, n in counts.items()),
         )
     return table
@@ -109,15 +114,13 @@ def sweep_table(result: SweepResult, title: str) -> Table:
     for col in ("G", "r", "compression", "theta error", "per-layer SVD error", "theta - SVD"):
         table.add_column(col, justify="right")
     for p in result.totals():
-        diff = p.error - p.svd_error
-        style = "green" if diff < 0 else "red" if diff > 0 else ""
         table.add_row(
             str(p.blocks),
             str(p.rank),
             f"{p.compression:.2f}x",
             f"{p.error:.4f}",
             f"{p.svd_error:.4f}",
-            f"[{style}]{diff:+.4f}[/{style}]" if style else f"{diff:+.4f}",
+            _difference(p.error - p.svd_error),
         )
     return table
 
@@ -178,15 +181,7 @@ def write_plot(
             marker="o",
             label=f"theta, G={G}",
         )
-        for p in pts:
-            ax.annotate(
-                f"r={p.rank}",
-                (p.compression, p.error),
-                fontsize=7,
-                alpha=0.7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
+        _annotate(ax, pts, lambda p: f"r={p.rank}", (3, 3))
     lo = min(p.compression for p in totals)
     curve = [
         c for c in result.svd_curve if c["stored_parameters"] > 0 and c["compression"] >= 0.5 * lo
@@ -215,15 +210,7 @@ def write_plot(
             linestyle=":",
             label="per-layer SVD, globally allocated ranks",
         )
-        for p in pts:
-            ax.annotate(
-                f"b={p.budget:g}",
-                (p.compression, p.error),
-                fontsize=7,
-                alpha=0.7,
-                xytext=(3, -9),
-                textcoords="offset points",
-            )
+        _annotate(ax, pts, lambda p: f"b={p.budget:g}", (3, -9))
     ax.set_xscale("log")
     ax.set_xlabel("compression ratio (dense / stored parameters)")
     ax.set_ylabel("relative Frobenius error (all projections)")
@@ -233,3 +220,16 @@ def write_plot(
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _annotate(ax, points: Sequence, text: Callable[[Any], str], offset: tuple[int, int]) -> None:
+    """Label each point of an error-against-compression curve, ``offset`` points off it."""
+    for p in points:
+        ax.annotate(
+            text(p),
+            (p.compression, p.error),
+            fontsize=7,
+            alpha=0.7,
+            xytext=offset,
+            textcoords="offset points",
+        )

@@ -54,7 +54,7 @@ from scipy.optimize import linear_sum_assignment
 from ._bands import band_of_layers, band_sizes, resolve_blocks
 from ._checkpoint import Checkpoint, _detect_families, open_checkpoint
 from ._errors import AttnquantError, CheckpointError
-from ._format import atomic_directory, copy_side_files
+from ._format import _read_json_manifest, atomic_directory, copy_side_files
 from ._safetensors_io import PlannedWriter, TensorSpec, dtype_name
 
 __all__ = [
@@ -600,13 +600,9 @@ class AlignTransforms:
 def load_align_transforms(directory: str | Path) -> AlignTransforms:
     """Read the transforms an aligned checkpoint records (for :func:`unalign_state`)."""
     directory = Path(directory)
-    manifest_file = directory / ALIGN_MANIFEST_FILE
-    if not manifest_file.is_file():
-        raise AlignError(f"{directory}: not an aligned checkpoint (no {ALIGN_MANIFEST_FILE})")
-    try:
-        m = json.loads(manifest_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AlignError(f"{manifest_file}: not valid JSON ({exc})") from exc
+    manifest_file, m = _read_json_manifest(
+        directory, ALIGN_MANIFEST_FILE, what="an aligned checkpoint", error=AlignError
+    )
     if m.get("format") != ALIGN_FORMAT:
         raise AlignError(f"{manifest_file}: not an {ALIGN_FORMAT} manifest")
     if not isinstance(m.get("format_version"), int) or m["format_version"] > ALIGN_VERSION:

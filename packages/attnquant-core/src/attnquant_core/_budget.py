@@ -36,7 +36,6 @@ up to the rounding of storage.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,14 +46,16 @@ import scipy.linalg
 
 from ._bands import band_of_layers, band_sizes
 from ._checkpoint import Checkpoint, open_checkpoint
-from ._decompose import SVDOptions, fit_layer, pooled_error, residual
+from ._decompose import SVDOptions, check_family_weights, fit_layer, pooled_error, residual
 from ._errors import DecompositionError
 from ._format import (
-    MANIFEST_FILE,
     DecomposeProgress,
+    _copied_specs,
     _digest,
     _manifest,
     _plain_specs,
+    _write_copied,
+    _write_manifest,
     atomic_directory,
     basis_key,
     copy_side_files,
@@ -501,7 +502,7 @@ class FamilyChoice:
 
     @property
     def error(self) -> float:
-        return math.sqrt(max(self.error2, 0.0) / self.norm2) if self.norm2 > 0 else 0.0
+        return _relative(self.error2, self.norm2)
 
     def to_json(self) -> dict:
         return {
@@ -521,10 +522,24 @@ class FamilyChoice:
         }
 
 
+def _relative(error2: float, norm2: float) -> float:
+    """The relative Frobenius error ``sqrt(error2 / norm2)`` of a squared error (0 for no norm)."""
+    return math.sqrt(max(error2, 0.0) / norm2) if norm2 > 0 else 0.0
+
+
+def _sum(choices: Mapping[str, FamilyChoice], attr: str):
+    """The total of one field (``stored``, ``dense``, ``error2``) over the chosen families."""
+    return sum(getattr(c, attr) for c in choices.values())
+
+
+def _pooled(choices: Mapping[str, FamilyChoice], error2: Callable[[FamilyChoice], float]) -> float:
+    """Relative error over every family: the families' squared errors over their squared norms."""
+    return _relative(sum(error2(c) for c in choices.values()), _sum(choices, "norm2"))
+
+
 def _total_error(choices: Mapping[str, FamilyChoice]) -> float:
-    num = sum(max(c.error2, 0.0) for c in choices.values())
-    den = sum(c.norm2 for c in choices.values())
-    return math.sqrt(num / den) if den > 0 else 0.0
+    """The predicted relative error over every family (from the singular values)."""
+    return _pooled(choices, lambda c: max(c.error2, 0.0))
 
 
 @dataclass(frozen=True)
@@ -545,11 +560,11 @@ class BudgetReport:
 
     @property
     def stored(self) -> int:
-        return sum(c.stored for c in self.families.values())
+        return _sum(self.families, "stored")
 
     @property
     def dense(self) -> int:
-        return sum(c.dense for c in self.families.values())
+        return _sum(self.families, "dense")
 
     @property
     def error(self) -> float:
@@ -558,20 +573,18 @@ class BudgetReport:
 
     @property
     def error2(self) -> float:
-        return sum(c.error2 for c in self.families.values())
+        return _sum(self.families, "error2")
 
     @property
     def measured_error(self) -> float | None:
         """Relative error over every projection of the fitted tensors, once fitted."""
         if any(c.measured_error is None for c in self.families.values()):
             return None
-        num = sum((c.measured_error or 0.0) ** 2 * c.norm2 for c in self.families.values())
-        den = sum(c.norm2 for c in self.families.values())
-        return math.sqrt(num / den) if den > 0 else 0.0
+        return _pooled(self.families, lambda c: (c.measured_error or 0.0) ** 2 * c.norm2)
 
     @property
     def baseline_stored(self) -> int:
-        return sum(c.stored for c in self.baseline.values())
+        return _sum(self.baseline, "stored")
 
     @property
     def baseline_error(self) -> float:
@@ -579,7 +592,7 @@ class BudgetReport:
 
     @property
     def baseline_error2(self) -> float:
-        return sum(c.error2 for c in self.baseline.values())
+        return _sum(self.baseline, "error2")
 
     def to_json(self) -> dict:
         return {
@@ -737,7 +750,7 @@ def _why(s: _Spectra, chosen: Candidate, stored: int, forms: Sequence[str]) -> s
     dense = s.source.num_layers * s.source.shape[0] * s.source.shape[1]
 
     def rel(err: float) -> float:
-        return math.sqrt(max(err, 0.0) / s.norm2) if s.norm2 > 0 else 0.0
+        return _relative(err, s.norm2)
 
     parts = [f"{chosen.label} gives the least total error at this budget"]
     others = []
@@ -1023,17 +1036,7 @@ def fit_budget(
     counts = set()
     for name, weights in families.items():
         weights = list(weights)
-        if not weights:
-            raise DecompositionError(f"{name}: no weights to decompose")
-        shape = weights[0].shape
-        for i, W in enumerate(weights):
-            if W.ndim != 2 or W.shape != shape:
-                raise DecompositionError(
-                    f"{name}: shape mismatch inside the family: layer {i} is {list(W.shape)}, "
-                    f"layer 0 is {list(shape)}"
-                )
-            if not np.isfinite(W).all():
-                raise DecompositionError(f"{name}: layer {i} holds NaN/Inf values")
+        shape = check_family_weights(name, weights)
         counts.add(len(weights))
         src_dtype = np.dtype(weights[0].dtype)
         sources.append(
@@ -1137,9 +1140,8 @@ def decompose_budget(
         progress=progress,
     )
     report = allocate(spectra, budget, forms)
-    projection_keys = ckpt.projection_keys()
-    copied = [k for k in ckpt.keys() if k not in projection_keys]
-    specs: dict[str, TensorSpec] = {k: ckpt.spec(k) for k in copied}
+    copied = _copied_specs(ckpt)
+    specs: dict[str, TensorSpec] = dict(copied)
     for s in sources:
         c = report.families[s.name]
         specs.update(
@@ -1162,11 +1164,7 @@ def decompose_budget(
     with atomic_directory(Path(out), overwrite) as tmp:
         copy_side_files(ckpt.directory if ckpt.path.is_dir() else None, tmp)
         with PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
-            for key in copied:
-                array = ckpt.get(key, check_finite=True)
-                digests[key] = _digest(array)
-                writer.write(key, array)
-                del array
+            _write_copied(writer, ckpt, copied, digests)
             for s in sources:
                 choice = report.families[s.name]
                 layer_digests: dict[int, str] = {}
@@ -1210,7 +1208,7 @@ def decompose_budget(
             source={"path": str(ckpt.path), "digests": digests},
             budget=summary,
         )
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        _write_manifest(tmp, manifest)
     return _with_choices(report, choices, manifest=manifest)
 
 

@@ -91,6 +91,25 @@ def check_rank(name: str, shape: tuple[int, int], rank: int) -> int:
     return int(rank)
 
 
+def check_family_weights(name: str, weights: Sequence[np.ndarray]) -> tuple[int, ...]:
+    """The shape every layer of a family shares, else an error naming the family and the layer.
+
+    Refuses no layers, a layer that is not 2-D or not of layer 0's shape, and NaN/Inf values.
+    """
+    if not len(weights):
+        raise DecompositionError(f"{name}: no weights to decompose")
+    shape = weights[0].shape
+    for i, W in enumerate(weights):
+        if W.ndim != 2 or W.shape != shape:
+            raise DecompositionError(
+                f"{name}: shape mismatch inside the family: layer {i} is {list(W.shape)}, "
+                f"layer 0 is {list(shape)}"
+            )
+        if not np.isfinite(W).all():
+            raise DecompositionError(f"{name}: layer {i} holds NaN/Inf values")
+    return shape
+
+
 def residual(W: np.ndarray, W0: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The row scale ``s`` rounded to ``dtype`` and ``R = W - diag(s) W0`` in the compute dtype.
 
@@ -181,17 +200,7 @@ def decompose_family(
     errors : FamilyErrors
         Per-layer relative Frobenius error of the rebuilt weight, and each weight's norm.
     """
-    if not len(weights):
-        raise DecompositionError(f"{name}: no weights to decompose")
-    shape = weights[0].shape
-    for i, W in enumerate(weights):
-        if W.ndim != 2 or W.shape != shape:
-            raise DecompositionError(
-                f"{name}: shape mismatch inside the family: layer {i} is {list(W.shape)}, "
-                f"layer 0 is {list(shape)}"
-            )
-        if not np.isfinite(W).all():
-            raise DecompositionError(f"{name}: layer {i} holds NaN/Inf values")
+    shape = check_family_weights(name, weights)
     dtype = np.dtype(dtype or weights[0].dtype)
     rank = check_rank(name, shape, rank)
     G = resolve_blocks(blocks, len(weights))

@@ -25,10 +25,11 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,7 @@ from ._decompose import (
     fit_layer,
     pooled_error,
 )
-from ._errors import BandMismatchError, DecompositionError, ThetaFormatError
+from ._errors import AttnquantError, BandMismatchError, DecompositionError, ThetaFormatError
 from ._forms import SIDES, LowRankFamily, SharedBasisFamily
 from ._safetensors_io import (
     PlannedWriter,
@@ -381,10 +382,9 @@ def decompose_checkpoint(
     G = resolve_blocks(blocks, L)
     bands = band_of_layers(L, G)
     sizes = band_sizes(L, G)
-    projection_keys = ckpt.projection_keys()
-    copied = [k for k in ckpt.keys() if k not in projection_keys]
+    copied = _copied_specs(ckpt)
 
-    specs: dict[str, TensorSpec] = {k: ckpt.spec(k) for k in copied}
+    specs: dict[str, TensorSpec] = dict(copied)
     store: dict[str, np.dtype] = {}
     for name, info in ckpt.families.items():
         check_rank(name, info.shape, rank)
@@ -408,11 +408,7 @@ def decompose_checkpoint(
     with atomic_directory(Path(out), overwrite) as tmp:
         copy_side_files(ckpt.directory if ckpt.path.is_dir() else None, tmp)
         with PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
-            for key in copied:
-                array = ckpt.get(key, check_finite=True)
-                digests[key] = _digest(array)
-                writer.write(key, array)
-                del array
+            _write_copied(writer, ckpt, copied, digests)
             for name, info in ckpt.families.items():
                 errors: list[float] = []
                 norms: list[float] = []
@@ -464,12 +460,35 @@ def decompose_checkpoint(
             svd=svd,
             source={"path": str(ckpt.path), "digests": digests},
         )
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        _write_manifest(tmp, manifest)
     return manifest
 
 
 def _digest(array: np.ndarray) -> str:
     return "sha256:" + hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).data).hexdigest()
+
+
+def _copied_specs(ckpt: Checkpoint) -> dict[str, TensorSpec]:
+    """The tensors a theta checkpoint copies unchanged from ``ckpt``: all but the projections."""
+    projection_keys = ckpt.projection_keys()
+    return {k: ckpt.spec(k) for k in ckpt.keys() if k not in projection_keys}
+
+
+def _write_copied(
+    writer: PlannedWriter, ckpt: Checkpoint, keys: Iterable[str], digests: dict[str, str]
+) -> None:
+    """Copy each of ``keys`` from ``ckpt`` (checked finite) to ``writer``, one tensor at a time,
+    recording its source digest in ``digests``."""
+    for key in keys:
+        array = ckpt.get(key, check_finite=True)
+        digests[key] = _digest(array)
+        writer.write(key, array)
+        del array
+
+
+def _write_manifest(directory: Path, manifest: Mapping) -> None:
+    """Write ``manifest`` as ``directory/attnquant.json``."""
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def save_theta(
@@ -548,11 +567,25 @@ def save_theta(
             source=None,
             **dict(extra or {}),
         )
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        _write_manifest(tmp, manifest)
     return manifest
 
 
 # -- reading -------------------------------------------------------------------------------
+
+
+def _read_json_manifest(
+    directory: Path, name: str, *, what: str, error: type[AttnquantError]
+) -> tuple[Path, Any]:
+    """``directory / name`` and its parsed JSON; ``error`` when the file is absent (``directory``
+    is not ``what``) or is not valid JSON."""
+    manifest_file = directory / name
+    if not manifest_file.is_file():
+        raise error(f"{directory}: not {what} (no {name})")
+    try:
+        return manifest_file, json.loads(manifest_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{manifest_file}: not valid JSON ({exc})") from exc
 
 
 class ThetaCheckpoint:
@@ -579,13 +612,9 @@ class ThetaCheckpoint:
     def open(cls, path: str | Path, *, blocks: int | str | None = None) -> ThetaCheckpoint:
         """Open and validate a theta checkpoint directory (headers only, no tensor data)."""
         path = Path(path)
-        manifest_file = path / MANIFEST_FILE
-        if not manifest_file.is_file():
-            raise ThetaFormatError(f"{path}: not a theta checkpoint (no {MANIFEST_FILE})")
-        try:
-            manifest = json.loads(manifest_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ThetaFormatError(f"{manifest_file}: not valid JSON ({exc})") from exc
+        manifest_file, manifest = _read_json_manifest(
+            path, MANIFEST_FILE, what="a theta checkpoint", error=ThetaFormatError
+        )
         manifest = _check_manifest(manifest_file, manifest)
         tensors, config = read_tensor_directory(path)
         self = cls(path, manifest, tensors, config)

@@ -40,10 +40,22 @@ def make_weights(
         for layer in range(num_layers):
             W = base + 0.5 * rng.standard_normal(shape)
             tensors[f"{prefix}.layers.{layer}.{family}.weight"] = W.astype(dtype)
+    _add_non_projection(tensors, rng, prefix=prefix, shapes=shapes, dtype=dtype)
+    return tensors
+
+
+def _add_non_projection(
+    tensors: dict[str, np.ndarray],
+    rng: np.random.Generator,
+    *,
+    prefix: str,
+    shapes: dict[str, tuple[int, int]],
+    dtype: np.dtype | type,
+) -> None:
+    """Add the non-projection keys (token embedding, final norm) a checkpoint copies unchanged."""
     hidden = shapes["self_attn.q_proj"][1]
     tensors[f"{prefix}.embed_tokens.weight"] = rng.standard_normal((16, hidden)).astype(dtype)
     tensors[f"{prefix}.norm.weight"] = np.ones(hidden, dtype)
-    return tensors
 
 
 def write_checkpoint(directory: Path, tensors: dict[str, np.ndarray], *, shards: int = 1) -> Path:
@@ -105,9 +117,7 @@ def make_structured_weights(
             W /= np.sqrt(rank if kind != "shared" else 1.0)
             W += noise * rng.standard_normal((out_dim, in_dim))
             tensors[f"{prefix}.layers.{layer}.{family}.weight"] = W.astype(dtype)
-    hidden = shapes["self_attn.q_proj"][1]
-    tensors[f"{prefix}.embed_tokens.weight"] = rng.standard_normal((16, hidden)).astype(dtype)
-    tensors[f"{prefix}.norm.weight"] = np.ones(hidden, dtype)
+    _add_non_projection(tensors, rng, prefix=prefix, shapes=shapes, dtype=dtype)
     return tensors
 
 
