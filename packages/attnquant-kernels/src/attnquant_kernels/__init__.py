@@ -1,13 +1,19 @@
 """attnquant-kernels: Mojo kernels for the theta identity, shipped as package data.
 
 The kernels live in a Mojo package folder (``mojo/`` with an ``__init__.mojo``) that MAX compiles
-when a graph names it in ``custom_extensions``. This module only locates them; it imports
-neither numpy nor MAX.
+when a graph names it in ``custom_extensions``. They register two custom ops (:data:`KERNEL_OPS`):
+
+* ``generated_linear``: ``y = s * (x @ W0^T) + (x @ V) @ U^T``, one dispatch per projection;
+* ``generated_mlp``: ``down(act(gate(x)) * up(x))`` over three theta projections, one dispatch.
+
+Both refuse a correction rank above :data:`MAX_RANK` (64) with an error naming the GEMM path
+(``ATTNQUANT_GEMM=1``). This module imports neither numpy nor MAX; the graph-building helpers
+are in :mod:`attnquant_kernels.graph`, which imports ``max``.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._locate import KERNEL_OPS, kernels_path, mojo_sources
+from ._locate import KERNEL_OPS, MAX_RANK, RankError, check_rank, kernels_path, mojo_sources
 
 try:
     __version__ = version("attnquant-kernels")
@@ -15,8 +21,12 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
-    # locating the Mojo package
+    # the custom ops
     "KERNEL_OPS",
+    "MAX_RANK",
+    "RankError",
+    "check_rank",
+    # locating the Mojo package
     "kernels_path",
     "mojo_sources",
     "__version__",

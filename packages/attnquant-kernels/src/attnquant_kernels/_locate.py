@@ -1,13 +1,53 @@
-"""Where the Mojo sources are, and the custom-op names they register."""
+"""Where the Mojo sources are, the custom-op names they register, and the rank limit."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["KERNEL_OPS", "kernels_path", "mojo_sources"]
+__all__ = [
+    "KERNEL_OPS",
+    "MAX_RANK",
+    "RankError",
+    "check_rank",
+    "kernels_path",
+    "mojo_sources",
+]
 
-#: Custom-op names registered by the Mojo package (``@compiler.register(name)``), once written.
-KERNEL_OPS: tuple[str, ...] = ()
+#: Custom-op names registered by the Mojo package (``@compiler.register(name)``).
+KERNEL_OPS: tuple[str, ...] = ("generated_linear", "generated_mlp")
+
+#: Largest correction rank ``r`` the custom ops accept (the Mojo side refuses above it too).
+MAX_RANK = 64
+
+
+class RankError(ValueError):
+    """A correction rank above :data:`MAX_RANK`: only the GEMM formulation serves it."""
+
+    def __init__(self, rank: int, op: str = "generated_linear", what: str = "") -> None:
+        self.rank = rank
+        self.op = op
+        label = f"{what} rank" if what else "rank"
+        super().__init__(
+            f"{op}: {label} r={rank} is above {MAX_RANK}, the largest rank the custom op "
+            f"supports; use the GEMM formulation (ATTNQUANT_GEMM=1)"
+        )
+
+
+def check_rank(rank: int, *, op: str = "generated_linear", what: str = "") -> int:
+    """Return ``rank`` when the custom op ``op`` can serve it.
+
+    Raises
+    ------
+    RankError
+        ``rank > MAX_RANK``; the message names the GEMM path (``ATTNQUANT_GEMM=1``).
+    ValueError
+        ``rank`` is negative or not an int.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{op}: rank must be a whole number >= 0, got {rank!r}")
+    if rank > MAX_RANK:
+        raise RankError(rank, op, what)
+    return rank
 
 
 def kernels_path() -> Path:

@@ -1,0 +1,272 @@
+"""Per-layer CPU latency of the custom op (generated_linear / generated_mlp) against the GEMM formulation.
+
+One decoder layer's projections of a small Llama-shaped model: hidden 1024, 16 query heads and
+4 key/value heads of 64 (q 1024x1024, k/v 256x1024, o 1024x1024), MLP intermediate 4096
+(gate/up 4096x1024, down 1024x4096), SiLU; float32 weights, random theta tensors at ranks 4, 16
+and 64; batch (tokens) 1 and 16. Attention itself, norms and residuals are left out: they are the
+same on both paths.
+
+* ``custom``: q, k, v, o as four ``generated_linear`` dispatches and the MLP as one
+  ``generated_mlp`` (``ATTNQUANT_FUSED_MLP=1``).
+* ``gemm``: the GEMM formulation of ``attnquant_max._layers`` (DESIGN §5.2): per group one matmul
+  ``x @ W0V^T`` over ``[W0 ; V^T]`` (q/k/v fused, gate/up fused, o and down alone), then the
+  block-diagonal up-projection ``@ U^T`` built in the graph from the members' ``U`` as
+  ``ThetaStackedLinear`` does, ``s *`` the first columns, ``silu(gate) * up``.
+
+The theta tensors are graph inputs (as weights are in a served model), every weight dimension
+static and the batch dimension symbolic, so one compiled graph per (path, rank) serves both
+batch sizes: 6 compiles, cached by MAX across runs. Both paths are checked against each other
+before timing. Each sample is the mean latency of ``--inner`` back-to-back executions; the paths
+alternate sample by sample (order flipped every repetition), and the table gives medians and
+custom/GEMM (ratio of means; < 1 means the custom op is faster) with a bootstrap 95% CI.
+
+Run: ``uv run --all-packages --group bench python benchmarks/bench_kernels.py`` (or
+``uv run nox -s bench``); ``--out FILE`` writes the JSON (``nox -s bench`` gathers it into
+``bench-results/results.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+HIDDEN, Q_OUT, KV_OUT, INTERMEDIATE = 1024, 1024, 256, 4096
+# (name, out, in) of the four attention projections; o reads a hidden-sized input.
+ATTENTION = (
+    ("q", Q_OUT, HIDDEN),
+    ("k", KV_OUT, HIDDEN),
+    ("v", KV_OUT, HIDDEN),
+    ("o", HIDDEN, Q_OUT),
+)
+MLP = (("gate", INTERMEDIATE, HIDDEN), ("up", INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE))
+
+
+def make_theta(rank: int, seed: int = 0) -> dict[str, tuple[np.ndarray, ...]]:
+    """``name -> (W0, s, U, V)`` for the seven projections, float32, roughly unit-scaled outputs."""
+    rng = np.random.default_rng(seed)
+    theta = {}
+    for name, out_dim, in_dim in ATTENTION + MLP:
+        W0 = rng.standard_normal((out_dim, in_dim), dtype=np.float32) / np.float32(np.sqrt(in_dim))
+        s = (1 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32)
+        U = (0.1 * rng.standard_normal((out_dim, rank))).astype(np.float32)
+        V = (rng.standard_normal((in_dim, rank)) / np.sqrt(in_dim)).astype(np.float32)
+        theta[name] = (W0, s, U, V)
+    return theta
+
+
+def custom_inputs(theta: dict) -> list[np.ndarray]:
+    return [a for name, *_ in ATTENTION + MLP for a in theta[name]]
+
+
+def gemm_inputs(theta: dict) -> list[np.ndarray]:
+    """Per group ``W0V = [W0 of each member ; V^T of each member]``, ``s`` and ``U`` per member."""
+    arrays = []
+    for group in (("q", "k", "v"), ("o",), ("gate", "up"), ("down",)):
+        rows = [theta[n][0] for n in group] + [theta[n][3].T for n in group]
+        arrays.append(np.ascontiguousarray(np.concatenate(rows, axis=0)))
+        for n in group:
+            arrays += [theta[n][1], theta[n][2]]
+    return arrays
+
+
+def build_graph(path: str, rank: int):
+    """The layer's projections on ``path`` ("custom" or "gemm") at ``rank``, batch symbolic."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType, ops
+
+    from attnquant_kernels import kernels_path
+
+    dev = DeviceRef.CPU()
+
+    def tt(*shape):
+        return TensorType(DType.float32, list(shape), device=dev)
+
+    x_type = tt("batch", HIDDEN)
+    if path == "custom":
+        from attnquant_kernels.graph import generated_linear, generated_mlp
+
+        types = [x_type]
+        for _, out_dim, in_dim in ATTENTION + MLP:
+            types += [tt(out_dim, in_dim), tt(out_dim), tt(out_dim, rank), tt(in_dim, rank)]
+        with Graph(f"custom_r{rank}", input_types=types, custom_extensions=[kernels_path()]) as g:
+            x, *w = (v.tensor for v in g.inputs)
+            outs = [generated_linear(x, *w[4 * i : 4 * i + 4]) for i in range(4)]
+            outs.append(generated_mlp(x, w[16:20], w[20:24], w[24:28], activation="silu"))
+            g.output(*outs)
+        return g
+
+    groups = [
+        [("q", Q_OUT), ("k", KV_OUT), ("v", KV_OUT)],
+        [("o", HIDDEN)],
+        [("gate", INTERMEDIATE), ("up", INTERMEDIATE)],
+        [("down", HIDDEN)],
+    ]
+    in_dims = [HIDDEN, Q_OUT, HIDDEN, INTERMEDIATE]
+    types = [x_type]
+    for members, in_dim in zip(groups, in_dims, strict=True):
+        outs_total = sum(o for _, o in members)
+        types.append(tt(outs_total + len(members) * rank, in_dim))
+        for _, out_dim in members:
+            types += [tt(out_dim), tt(out_dim, rank)]
+
+    def stacked(x, W0V, members, params):
+        # attnquant_max._layers.ThetaStackedLinear on the GEMM path, slot 0.
+        out_total = sum(o for _, o in members)
+        h = x @ W0V.T
+        s = ops.concat([params[2 * i] for i in range(len(members))])
+        y = h[:, :out_total] * s
+        if rank:
+            rows = []
+            for p, (_, out_dim) in enumerate(members):
+                U = params[2 * p + 1]
+                parts = []
+                if p:
+                    parts.append(
+                        ops.broadcast_to(ops.constant(0, DType.float32, dev), [out_dim, p * rank])
+                    )
+                parts.append(U)
+                if p < len(members) - 1:
+                    width = (len(members) - 1 - p) * rank
+                    parts.append(
+                        ops.broadcast_to(ops.constant(0, DType.float32, dev), [out_dim, width])
+                    )
+                rows.append(ops.concat(parts, axis=1) if len(parts) > 1 else U)
+            up = ops.concat(rows, axis=0) if len(rows) > 1 else rows[0]
+            k_r = len(members) * rank
+            y = y + h[:, out_total : out_total + k_r] @ up.T
+        return y
+
+    with Graph(f"gemm_r{rank}", input_types=types) as g:
+        x, *w = (v.tensor for v in g.inputs)
+        outs, i = [], 0
+        results = []
+        for members in groups:
+            n = len(members)
+            results.append((members, w[i], w[i + 1 : i + 1 + 2 * n]))
+            i += 1 + 2 * n
+        qkv = stacked(x, results[0][1], results[0][0], results[0][2])
+        q, k, v = ops.split(qkv, [Q_OUT, KV_OUT, KV_OUT], axis=-1)
+        o = stacked(x, results[1][1], results[1][0], results[1][2])
+        gu = stacked(x, results[2][1], results[2][0], results[2][2])
+        gate, up = ops.split(gu, [INTERMEDIATE, INTERMEDIATE], axis=-1)
+        down = stacked(ops.silu(gate) * up, results[3][1], results[3][0], results[3][2])
+        outs = [q, k, v, o, down]
+        g.output(*outs)
+    return g
+
+
+def reference(theta: dict, x: np.ndarray) -> list[np.ndarray]:
+    """The numpy identity in float64: q, k, v, o (of x) and the MLP."""
+
+    def proj(a, name):
+        W0, s, U, V = (t.astype(np.float64) for t in theta[name])
+        return s * (a @ W0.T) + (a @ V) @ U.T
+
+    x64 = x.astype(np.float64)
+    outs = [proj(x64, n) for n in ("q", "k", "v", "o")]
+    g, u = proj(x64, "gate"), proj(x64, "up")
+    outs.append(proj(g / (1 + np.exp(-g)) * u, "down"))
+    return outs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repetitions", type=int, default=15, help="samples per path and case")
+    parser.add_argument("--inner", type=int, default=10, help="executions averaged per sample")
+    args = parser.parse_args()
+
+    from max.driver import CPU, Buffer
+    from max.engine import InferenceSession
+
+    from attnquant_cli._stats import ratio_of_means
+    from attnquant_kernels import check_rank
+
+    for r in args.ranks:
+        check_rank(r, op="bench_kernels")
+    session = InferenceSession(devices=[CPU()])
+    rng = np.random.default_rng(1)
+    cases, compile_s = [], {}
+    print(
+        f"{'rank':>4} {'batch':>5} {'custom ms':>10} {'GEMM ms':>10} "
+        f"{'custom/GEMM':>11} {'95% CI':>17}"
+    )
+    for rank in args.ranks:
+        theta = make_theta(rank)
+        models, inputs = {}, {}
+        for path in ("custom", "gemm"):
+            t0 = time.perf_counter()
+            models[path] = session.load(build_graph(path, rank))
+            compile_s[f"{path}_r{rank}"] = time.perf_counter() - t0
+            arrays = custom_inputs(theta) if path == "custom" else gemm_inputs(theta)
+            inputs[path] = [Buffer.from_numpy(a) for a in arrays]
+        for batch in args.batches:
+            x = rng.standard_normal((batch, HIDDEN), dtype=np.float32)
+            xb = Buffer.from_numpy(x)
+            ref = reference(theta, x)
+            for path, model in models.items():  # correctness first, and warm-up
+                got = [o.to_numpy() for o in model.execute(xb, *inputs[path])]
+                for name, a, b in zip(("q", "k", "v", "o", "mlp"), got, ref, strict=True):
+                    err = float(np.abs(a - b).max() / np.abs(b).max())
+                    if err > 1e-4:
+                        raise SystemExit(
+                            f"{path} r={rank} batch={batch} {name}: rel. error {err:.2e}"
+                        )
+            samples: dict[str, list[float]] = {"custom": [], "gemm": []}
+            for rep in range(args.repetitions):
+                for path in ("custom", "gemm") if rep % 2 == 0 else ("gemm", "custom"):
+                    model, ins = models[path], inputs[path]
+                    t0 = time.perf_counter()
+                    for _ in range(args.inner):
+                        model.execute(xb, *ins)
+                    samples[path].append((time.perf_counter() - t0) / args.inner)
+            est = ratio_of_means(samples["custom"], samples["gemm"])
+            med = {p: float(np.median(v)) * 1e3 for p, v in samples.items()}
+            cases.append(
+                {
+                    "rank": rank,
+                    "batch": batch,
+                    "median_ms": med,
+                    "custom_over_gemm": est.to_json(),
+                    "samples_s": samples,
+                }
+            )
+            print(
+                f"{rank:>4} {batch:>5} {med['custom']:>10.3f} {med['gemm']:>10.3f} "
+                f"{est.ratio:>11.3f} [{est.low:>6.3f}, {est.high:>6.3f}]"
+            )
+    print("compile + load (s): " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
+    if args.out:
+        payload = {
+            "benchmark": "kernels",
+            "model": {
+                "hidden": HIDDEN,
+                "q_out": Q_OUT,
+                "kv_out": KV_OUT,
+                "intermediate": INTERMEDIATE,
+                "dtype": "float32",
+                "activation": "silu",
+            },
+            "machine": {
+                "processor": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(),
+            },
+            "repetitions": args.repetitions,
+            "inner": args.inner,
+            "ratio": "custom/GEMM latency (ratio of means, bootstrap 95% CI); < 1: custom op faster",
+            "compile_load_s": compile_s,
+            "cases": cases,
+        }
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

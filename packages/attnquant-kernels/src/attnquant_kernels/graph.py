@@ -1,0 +1,207 @@
+"""The custom ops as MAX graph calls: the one module of the package that imports ``max``.
+
+Inside a graph that loads the kernels (``Graph(..., custom_extensions=[kernels_path()])``,
+or any graph created under ``max.graph.default_custom_extensions_scope(kernels_path())``)::
+
+    y = generated_linear(x, W0, s, U, V)                      # [M, N], dtype of x
+    y = generated_mlp(x, (W0_g, s_g, U_g, V_g), (W0_u, s_u, U_u, V_u),
+                      (W0_d, s_d, U_d, V_d), activation="silu")  # [M, H]
+
+``x`` is ``[M, K]`` (fold leading dimensions into ``M`` first); every tensor has the dtype of
+``x`` (float32 or bfloat16) and lives on its device. Rank 0: pass ``U = V = None`` and the
+wrapper feeds zero-size ``[N, 0]`` / ``[K, 0]`` tensors. A static rank above
+:data:`~attnquant_kernels.MAX_RANK` raises :class:`~attnquant_kernels.RankError` here, before
+any compilation; a symbolic rank is checked by the kernel at run time (same message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from max.dtype import DType
+from max.graph import Dim, StaticDim, TensorType, TensorValue, TensorValueLike, ops
+
+from ._locate import check_rank, kernels_path
+
+__all__ = ["ACTIVATIONS", "generated_linear", "generated_mlp"]
+
+#: Activation names accepted by :func:`generated_mlp`, and the kernel parameter each maps to
+#: (Hugging Face ``hidden_act`` spellings included).
+ACTIVATIONS: dict[str, str] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+
+_FLOAT = (DType.float32, DType.bfloat16, DType.float16)
+
+
+def _value(t: TensorValueLike | None) -> TensorValue | None:
+    """A graph value (a ``Weight`` becomes its value in the current graph)."""
+    return None if t is None else TensorValue(t)
+
+
+def _static(dim: Dim) -> int | None:
+    return int(dim) if isinstance(dim, StaticDim) else None
+
+
+def _rank_of(U: TensorValue, op: str, what: str = "") -> None:
+    rank = _static(U.shape[1])
+    if rank is not None:
+        check_rank(rank, op=op, what=what)
+
+
+def _operands(
+    x: TensorValue,
+    W0: TensorValueLike,
+    s: TensorValueLike,
+    U: TensorValueLike | None,
+    V: TensorValueLike | None,
+    *,
+    op: str,
+    what: str,
+    in_dim: Dim,
+) -> list[TensorValue]:
+    """``[W0, s, U, V]`` checked against ``x``; zero-size ``U``/``V`` for rank 0."""
+    W0, s, U, V = TensorValue(W0), TensorValue(s), _value(U), _value(V)
+    name = f"{op} ({what})" if what else op
+    for label, t in (("W0", W0), ("s", s), ("U", U), ("V", V)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(
+                f"{name}: {label} is {t.dtype.name}, x is {x.dtype.name}; cast them to one dtype"
+            )
+        if t.device != x.device:
+            raise ValueError(f"{name}: {label} is on {t.device}, x on {x.device}")
+    if W0.rank != 2 or s.rank != 1:
+        raise ValueError(f"{name}: W0 must be [out, in] and s [out], got {W0.shape} and {s.shape}")
+    if (U is None) != (V is None):
+        raise ValueError(f"{name}: pass both U and V, or neither (rank 0)")
+    if U is None or V is None:
+        zero = ops.constant(0, x.dtype, device=x.device)
+        U = ops.broadcast_to(zero, [W0.shape[0], 0])
+        V = ops.broadcast_to(zero, [in_dim, 0])
+    elif U.rank != 2 or V.rank != 2:
+        raise ValueError(f"{name}: U must be [out, r] and V [in, r], got {U.shape} and {V.shape}")
+    else:
+        _rank_of(U, op, what)
+        _rank_of(V, op, what)
+    return [W0, s, U, V]
+
+
+def _custom(op: str, **kwargs: Any) -> TensorValue:
+    """``ops.custom``, with advice when the graph has not loaded the kernels."""
+    try:
+        (y,) = ops.custom(op, **kwargs)
+    except ValueError as exc:
+        if "no kernel registered" not in str(exc):
+            raise
+        raise ValueError(
+            f"{op}: this graph has not loaded the attnquant kernels; create it with "
+            f"Graph(..., custom_extensions=[attnquant_kernels.kernels_path()]) or inside "
+            f"max.graph.default_custom_extensions_scope(attnquant_kernels.kernels_path()) "
+            f"(kernels: {kernels_path()})"
+        ) from exc
+    return y.tensor
+
+
+def _check_x(x: TensorValue, op: str) -> None:
+    if x.rank != 2:
+        raise ValueError(f"{op}: x must be [M, in] (fold leading dimensions first), got {x.shape}")
+    if x.dtype not in _FLOAT:
+        raise TypeError(f"{op}: x is {x.dtype.name}; float32 or bfloat16 expected")
+
+
+def generated_linear(
+    x: TensorValueLike,
+    W0: TensorValueLike,
+    s: TensorValueLike,
+    U: TensorValueLike | None = None,
+    V: TensorValueLike | None = None,
+) -> TensorValue:
+    """``y = s * (x @ W0^T) + (x @ V) @ U^T`` as one ``generated_linear`` dispatch.
+
+    Parameters
+    ----------
+    x : TensorValue
+        ``[M, K]``.
+    W0, s, U, V : TensorValue or Weight
+        ``[N, K]``, ``[N]``, ``[N, r]``, ``[K, r]``; ``U = V = None`` for rank 0.
+
+    Returns
+    -------
+    TensorValue
+        ``[M, N]``, dtype of ``x``.
+
+    Raises
+    ------
+    RankError
+        ``r > 64`` (static); use the GEMM formulation (``ATTNQUANT_GEMM=1``).
+    """
+    op = "generated_linear"
+    x = TensorValue(x)
+    _check_x(x, op)
+    values = _operands(x, W0, s, U, V, op=op, what="", in_dim=x.shape[1])
+    out = TensorType(x.dtype, [x.shape[0], W0.shape[0]], device=x.device)
+    return _custom(op, device=x.device, values=[x, *values], out_types=[out])
+
+
+def generated_mlp(
+    x: TensorValueLike,
+    gate: Sequence[TensorValueLike | None],
+    up: Sequence[TensorValueLike | None],
+    down: Sequence[TensorValueLike | None],
+    *,
+    activation: str = "silu",
+) -> TensorValue:
+    """``down(act(gate(x)) * up(x))`` as one ``generated_mlp`` dispatch.
+
+    Parameters
+    ----------
+    x : TensorValue
+        ``[M, H]``.
+    gate, up : (W0, s, U, V)
+        ``W0 [F, H]``, ``s [F]``, ``U [F, r]``, ``V [H, r]`` (``U = V = None``: rank 0).
+    down : (W0, s, U, V)
+        ``W0 [H, F]``, ``s [H]``, ``U [H, r]``, ``V [F, r]``.
+    activation : str
+        ``"silu"`` (Llama) or ``"gelu_tanh"`` (Gemma); the Hugging Face spellings
+        ``"swish"`` and ``"gelu_pytorch_tanh"`` are accepted.
+
+    Returns
+    -------
+    TensorValue
+        ``[M, H]``, dtype of ``x``.
+    """
+    op = "generated_mlp"
+    x = TensorValue(x)
+    _check_x(x, op)
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{op}: activation {activation!r} is not supported; expected one of "
+            f"{', '.join(sorted(ACTIVATIONS))}"
+        )
+    parts: list[TensorValue] = []
+    for what, proj, in_dim in (
+        ("gate", gate, x.shape[1]),
+        ("up", up, x.shape[1]),
+        ("down", down, None),
+    ):
+        if len(proj) != 4:
+            raise ValueError(f"{op} ({what}): expected (W0, s, U, V), got {len(proj)} tensors")
+        W0, s, U, V = proj
+        if W0 is None or s is None:
+            raise ValueError(f"{op} ({what}): W0 and s are required")
+        dim = in_dim if in_dim is not None else TensorValue(W0).shape[1]
+        parts += _operands(x, W0, s, U, V, op=op, what=what, in_dim=dim)
+    out = TensorType(x.dtype, [x.shape[0], x.shape[1]], device=x.device)
+    return _custom(
+        op,
+        device=x.device,
+        values=[x, *parts],
+        out_types=[out],
+        parameters={"activation": ACTIVATIONS[activation]},
+    )
