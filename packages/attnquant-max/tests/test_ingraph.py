@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
 GEMM = AttnquantConfig(precompute_outside=False, gemm=True)
 PRECOMPUTE = AttnquantConfig(precompute=True)
+CUSTOM = AttnquantConfig(precompute_outside=False, gemm=False)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,12 @@ def gemm_g1(tiny_theta_g1_r16: Path) -> Iterator[LoadedModel]:
 @pytest.fixture(scope="module")
 def precompute_g1(tiny_theta_g1_r16: Path) -> Iterator[LoadedModel]:
     with load_tiny(tiny_theta_g1_r16, PRECOMPUTE) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def custom_g1(tiny_theta_g1_r16: Path) -> Iterator[LoadedModel]:
+    with load_tiny(tiny_theta_g1_r16, CUSTOM) as model:
         yield model
 
 
@@ -87,7 +94,7 @@ def test_gemm_at_passthrough_serves_the_same_greedy_tokens(
     assert report.native_equivalent
 
 
-@pytest.mark.parametrize("path", ["gemm", "precompute"])
+@pytest.mark.parametrize("path", ["gemm", "precompute", "custom"])
 def test_in_graph_paths_agree_with_precompute_outside_at_g1_r16(
     path: str, outside_g1: LoadedModel, request: pytest.FixtureRequest
 ) -> None:
@@ -131,6 +138,7 @@ def test_matmuls_per_layer_and_weight_bytes(
         "gemm, fused": _per_layer(GEMM, outside_g1),
         "gemm, unfused": _per_layer(dataclasses.replace(GEMM, qkv_fuse=False), outside_g1),
         "precompute in graph, fused": _per_layer(PRECOMPUTE, outside_g1),
+        "custom op, fused MLP": _per_layer(CUSTOM, outside_g1),
     }
     for name, (per_layer, total, nbytes) in rows.items():
         print(f"{name:28s} matmuls/layer {per_layer:5.1f} (total {total}), weight bytes {nbytes}")
@@ -138,10 +146,20 @@ def test_matmuls_per_layer_and_weight_bytes(
     assert rows["gemm, fused"][0] == 8  # two per group
     assert rows["gemm, unfused"][0] == 14  # two per projection
     assert rows["precompute in graph, fused"][0] == 4 + 7  # + U V^T per projection
+    assert rows["custom op, fused MLP"][0] == 0  # generated_linear x4, generated_mlp x1
+    graph, _ = decoder_graph(outside_g1, CUSTOM)
+    text = str(graph)
+    assert text.count('"generated_linear"') == 4 * LAYERS, "q, k, v, o per layer"
+    assert text.count('"generated_mlp"') == LAYERS
     # Precompute-outside holds the dense model; the in-graph paths hold the theta
     # checkpoint's tensors, nothing more (W0 once per band, V inside the band weight).
     dense = _checkpoint_bytes(tiny_dense)
     assert rows["precompute-outside"][2] == dense == _pipeline_model(dense_model).weight_bytes
     theta = _checkpoint_bytes(tiny_theta_g1_r16)
-    for name in ("gemm, fused", "gemm, unfused", "precompute in graph, fused"):
+    for name in (
+        "gemm, fused",
+        "gemm, unfused",
+        "precompute in graph, fused",
+        "custom op, fused MLP",
+    ):
         assert rows[name][2] == theta, name

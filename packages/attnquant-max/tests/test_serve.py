@@ -74,4 +74,5 @@ def test_serve_env_is_offline_and_validated() -> None:
     with pytest.raises(ConfigError, match="ATTNQUANT_RANK"):
         serve_env({}, rank="-1")
     with pytest.raises(NotImplementedError, match="ATTNQUANT_QUANT"):
-        serve_env({"ATTNQUANT_QUANT": "nvfp4"})
+        serve_env({"ATTNQUANT_QUANT": "nvfp4", "ATTNQUANT_PRECOMPUTE": "1"})
+    assert serve_env({"ATTNQUANT_QUANT": "nvfp4"})["ATTNQUANT_QUANT"] == "nvfp4"

@@ -90,9 +90,10 @@ def test_serving_blocks_must_match_the_theta_checkpoint(tiny_theta: Path) -> Non
         plan_serving(tiny_theta, AttnquantConfig(blocks=1))
 
 
-def test_unimplemented_path_refused_before_reading(tiny_theta: Path) -> None:
-    with pytest.raises(NotImplementedError, match="ATTNQUANT_GEMM=0"):
-        plan_serving(tiny_theta, AttnquantConfig(precompute_outside=False, gemm=False))
+def test_unimplemented_path_refused_before_reading(tmp_path: Path) -> None:
+    config = AttnquantConfig(precompute=True, quant="nvfp4")
+    with pytest.raises(NotImplementedError, match="ATTNQUANT_QUANT=nvfp4"):
+        plan_serving(tmp_path / "does-not-exist", config)
 
 
 @pytest.mark.parametrize(("gemm", "fuse"), [(True, True), (True, False), (False, True)])
@@ -293,3 +294,14 @@ def test_in_graph_tensors_pad_per_layer_ranks_exactly() -> None:
             V = tensors[f"layers.{layer}.{name}.theta_V"]
             t = fam.layers[layer]
             np.testing.assert_array_equal(U @ V.T, t.U @ t.V.T)
+
+
+def test_custom_op_refuses_a_rank_above_64_naming_the_gemm_path(tiny_dense: Path) -> None:
+    from attnquant_kernels import RankError
+
+    env = {"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_GEMM": "0", "ATTNQUANT_BLOCKS": "1"}
+    ok = plan_serving(tiny_dense, AttnquantConfig.from_env({**env, "ATTNQUANT_RANK": "16"}))
+    assert ok.path == "custom-op" and ok.in_graph
+    assert "generated_mlp" in ok.describe()
+    with pytest.raises(RankError, match=r"r=65 is above 64.*ATTNQUANT_GEMM=1"):
+        plan_serving(tiny_dense, AttnquantConfig.from_env({**env, "ATTNQUANT_RANK": "65"}))

@@ -17,6 +17,7 @@ Importing this module imports ``max.pipelines`` (~15 s).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Mapping
@@ -29,7 +30,9 @@ from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 
 from attnquant_core import FAMILIES
+from attnquant_kernels import kernels_path
 
+from ._config import serving_path
 from ._layers import ThetaBuilder, ThetaMLP
 from ._layout import InGraphLayout
 from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
@@ -134,8 +137,17 @@ def _is_nvfp4_state(state_dict: Mapping[str, Any]) -> bool:
 
 
 def _layout_of(state_dict: Mapping[str, Any]) -> InGraphLayout | None:
+    """The in-graph layout of ``state_dict`` (``None``: dense); the config picks the custom op.
+
+    The custom op reads the same tensors as in-graph precompute, so the serving path
+    (:func:`attnquant_max.serving_path`) tells them apart, not the state.
+    """
+    config = current_config()
     shapes = {k: [int(d) for d in v.shape] for k, v in state_dict.items()}
-    return InGraphLayout.from_state(shapes, FAMILIES, fuse=current_config().qkv_fuse)
+    layout = InGraphLayout.from_state(shapes, FAMILIES, fuse=config.qkv_fuse)
+    if layout is not None and not layout.gemm and serving_path(config) == "custom-op":
+        layout = dataclasses.replace(layout, custom_op=True, fused_mlp=config.fused_mlp)
+    return layout
 
 
 class ThetaLlama3Model(Llama3Model):
@@ -175,11 +187,14 @@ class ThetaLlama3Model(Llama3Model):
         model.load_state_dict(
             self.state_dict, override_quantization_encoding=True, weight_alignment=1, strict=True
         )
+        layout = getattr(model, "layout", None)
+        kernels = [kernels_path()] if layout is not None and layout.custom_op else []
         return GraphSpec(
             model,
             "llama3",
             self._bind_graph_inputs(model.input_tree(self.kv_params)),
             weights=model.state_dict(),
+            custom_extensions=kernels,
         )
 
 

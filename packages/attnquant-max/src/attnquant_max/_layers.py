@@ -11,6 +11,11 @@ Two formulations of ``y = s * (x W0^T) + (x V) U^T`` (DESIGN §1, §5.2):
 * **In-graph precompute** (``precompute=True``, ``ATTNQUANT_PRECOMPUTE=1``):
   ``W_eff = s * W0 + U V^T`` formed in the graph, then one matmul (one over the
   concatenated ``W_eff`` for a group, as the stock model does).
+* **Custom op** (``custom_op=True``, ``ATTNQUANT_GEMM=0``): the same tensors as
+  in-graph precompute (``W0`` per band, ``s``, ``U``, ``V`` per layer), computed by
+  attnquant-kernels' ``generated_linear`` (one dispatch per projection, ``W_eff``
+  never formed) and, with ``ATTNQUANT_FUSED_MLP=1``, ``generated_mlp`` (gate, up,
+  SiLU and down in one dispatch). The graph must load ``kernels_path()``.
 
 Matmuls run in the input dtype: ``x @ w`` of two float32 tensors is float32;
 for bfloat16 MAX's matmul kernels accumulate in float32 and round the output
@@ -23,7 +28,8 @@ so each band's weight is one graph weight however many layers use it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
@@ -80,6 +86,15 @@ def _zeros(dtype: DType, shape: Sequence[int], device: DeviceRef) -> TensorValue
     return ops.broadcast_to(ops.constant(0, dtype, device=device), list(shape))
 
 
+def _rows(op: Callable[..., TensorValue], x: TensorValue, *operands: Any, out: int) -> TensorValue:
+    """Apply a custom op that takes ``[M, in]`` to ``x`` of any rank (leading dims folded)."""
+    if x.rank == 2:
+        return op(x, *operands)
+    lead = list(x.shape[:-1])
+    y = op(ops.reshape(x, [-1, x.shape[-1]]), *operands)
+    return ops.reshape(y, [*lead, out])
+
+
 class ThetaLinear(Module):
     """One theta projection ``y = s * (x W0^T) + (x V) U^T`` of one layer.
 
@@ -117,10 +132,17 @@ class ThetaLinear(Module):
         band: Weight | None,
         slot: int = 0,
         precompute: bool = False,
+        custom_op: bool = False,
     ) -> None:
         super().__init__()
         self.in_dim, self.out_dim, self.rank = in_dim, out_dim, rank
-        self.slot, self.precompute, self.device = slot, precompute, device
+        precompute = precompute or custom_op  # the custom op reads the precompute tensors
+        self.slot, self.precompute, self.custom_op, self.device = (
+            slot,
+            precompute,
+            custom_op,
+            device,
+        )
         self.theta_s = Weight("theta_s", dtype, [out_dim], device=device)
         if rank:
             self.theta_U = Weight("theta_U", dtype, [out_dim, rank], device=device)
@@ -156,7 +178,17 @@ class ThetaLinear(Module):
             W = W + self.theta_U.to(W0.device) @ self.theta_V.to(W0.device).T
         return W
 
+    def kernel_operands(self, device: DeviceRef) -> tuple[TensorValue, ...]:
+        """``(W0, s, U, V)`` for the custom ops (``U = V = None`` at rank 0)."""
+        U = TensorValue(self.theta_U).to(device) if self.rank else None
+        V = TensorValue(self.theta_V).to(device) if self.rank else None
+        return (self.band.to(device), TensorValue(self.theta_s).to(device), U, V)
+
     def __call__(self, x: TensorValue) -> TensorValue:
+        if self.custom_op:
+            from attnquant_kernels.graph import generated_linear
+
+            return _rows(generated_linear, x, *self.kernel_operands(x.device), out=self.out_dim)
         if self.precompute:
             return x @ self.effective_weight(self.band.to(x.device)).T
         h = x @ self.band.to(x.device).T
@@ -270,15 +302,34 @@ class ThetaMLP(Module):
 
     ``gate_up_proj`` is a :class:`ThetaStackedLinear` (its name is left out of
     the weight names: ``mlp.gate_proj.theta_s``), ``down_proj`` a :class:`ThetaLinear`.
+    ``fused_kernel``: one ``generated_mlp`` dispatch for the whole MLP (custom-op
+    path, ``ATTNQUANT_FUSED_MLP=1``).
     """
 
-    def __init__(self, gate_up_proj: ThetaStackedLinear, down_proj: ThetaLinear) -> None:
+    def __init__(
+        self,
+        gate_up_proj: ThetaStackedLinear,
+        down_proj: ThetaLinear,
+        *,
+        fused_kernel: bool = False,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.feed_forward_length = gate_up_proj.out_dims[0]
+        self.fused_kernel = fused_kernel
 
     def __call__(self, x: TensorValue) -> TensorValue:
+        if self.fused_kernel:
+            from attnquant_kernels.graph import generated_mlp
+
+            gate, up = (m.kernel_operands(x.device) for m in self.gate_up_proj.members)
+            down = self.down_proj.kernel_operands(x.device)
+
+            def mlp(rows: TensorValue) -> TensorValue:
+                return generated_mlp(rows, gate, up, down, activation="silu")
+
+            return _rows(mlp, x, out=self.down_proj.out_dim)
         gate, up = ops.split(
             self.gate_up_proj(x), [self.feed_forward_length, self.feed_forward_length], axis=-1
         )
@@ -344,6 +395,7 @@ class ThetaBuilder:
             band=band,
             slot=slot,
             precompute=not self.layout.gemm,
+            custom_op=self.layout.custom_op,
         )
 
     def _alone(self, family: str, layer: int) -> ThetaLinear:
@@ -379,10 +431,13 @@ class ThetaBuilder:
             members = [self._member(f, layer, None, slot) for f in families]
             return ThetaStackedLinear(members, names, band=weight, slot=slot)
         members = [self._alone(f, layer) for f in families]
-        precompute_fused = not self.layout.gemm and fused and len(families) > 1
+        precompute_fused = (
+            not self.layout.gemm and not self.layout.custom_op and fused and len(families) > 1
+        )
         return ThetaStackedLinear(members, names, fuse_precomputed=precompute_fused)
 
     def mlp(self, layer: int, prefix: str = "mlp") -> ThetaMLP:
         """The gated MLP of ``layer`` (``<prefix>.{gate,up,down}_proj``)."""
         gate_up = self.stacked([f"{prefix}.gate_proj", f"{prefix}.up_proj"], layer)
-        return ThetaMLP(gate_up, self.linear(f"{prefix}.down_proj", layer))
+        fused = self.layout.custom_op and self.layout.fused_mlp
+        return ThetaMLP(gate_up, self.linear(f"{prefix}.down_proj", layer), fused_kernel=fused)

@@ -173,12 +173,19 @@ class InGraphLayout:
         ``G``, the same for every family.
     ranks : dict of str to int
         ``r`` of each family (``0``: no correction stored).
+    custom_op : bool
+        With ``gemm=False``: compute with attnquant-kernels' custom ops instead of
+        forming ``W_eff`` (the tensors are the same; the serving path decides).
+    fused_mlp : bool
+        Custom op: one ``generated_mlp`` dispatch per MLP (``ATTNQUANT_FUSED_MLP``).
     """
 
     gemm: bool
     groups: dict[str, tuple[str, ...]]
     blocks: int
     ranks: dict[str, int]
+    custom_op: bool = False
+    fused_mlp: bool = True
 
     @property
     def fused(self) -> bool:

@@ -149,8 +149,8 @@ class ServingPlan:
 
     @property
     def in_graph(self) -> bool:
-        """Whether the graph holds the theta tensors (GEMM or in-graph precompute)."""
-        return self.path in ("gemm", "precompute")
+        """Whether the graph holds the theta tensors (GEMM, in-graph precompute, custom op)."""
+        return self.path in ("gemm", "precompute", "custom-op")
 
     def _why(self) -> str:
         if self.path == "precompute":
@@ -181,10 +181,18 @@ class ServingPlan:
             g = f"{self.blocks} (forms: " + ", ".join(f"{n} {f}" for f, n in counts.items()) + ")"
         how = "theta keys" if self.source == "theta" else "decomposition at load"
         if self.in_graph:
-            fused = "fused" if self.config.qkv_fuse else "separate (ATTNQUANT_QKV_FUSE=0)"
+            if self.path == "custom-op":
+                fused = (
+                    "one generated_linear per projection; the MLP in one generated_mlp"
+                    if self.config.fused_mlp
+                    else "one generated_linear per projection (ATTNQUANT_FUSED_MLP=0)"
+                )
+            else:
+                how_fused = "fused" if self.config.qkv_fuse else "separate (ATTNQUANT_QKV_FUSE=0)"
+                fused = f"q/k/v and gate/up {how_fused}"
             return (
-                f"attnquant: serving {where} on the {PATH_DESCRIPTIONS[self.path]}; q/k/v and "
-                f"gate/up {fused}; theta from {how}, G={g}, r={self.rank}, L={self.num_layers}; "
+                f"attnquant: serving {where} on the {PATH_DESCRIPTIONS[self.path]}; {fused}; "
+                f"theta from {how}, G={g}, r={self.rank}, L={self.num_layers}; "
                 f"chosen by {self._why()}"
             )
         line = (
@@ -341,6 +349,7 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
                 "Serve it with ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_PRECOMPUTE=0 (the "
                 "defaults), which rebuild every form once at load"
             )
+        _check_custom_op_rank(how["path"], ckpt.rank, path)
         return ServingPlan(
             model_path=path,
             source="theta",
@@ -353,15 +362,25 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
         )
     ckpt = open_checkpoint(path)
     blocks = "layers" if config.blocks is None else config.blocks
+    rank = 0 if blocks == "layers" else config.rank
+    _check_custom_op_rank(how["path"], rank, path)
     return ServingPlan(
         model_path=path,
         source="dense",
         blocks=blocks,
-        rank=0 if blocks == "layers" else config.rank,
+        rank=rank,
         num_layers=ckpt.num_layers,
         config=config,
         **how,
     )
+
+
+def _check_custom_op_rank(path: str, rank: int, model_path: Path) -> None:
+    """The custom op serves ``r <= 64`` (attnquant-kernels ``MAX_RANK``); say so at start-up."""
+    from attnquant_kernels import MAX_RANK, check_rank
+
+    if path == "custom-op" and rank > MAX_RANK:
+        check_rank(rank, what=f"{model_path}: the custom-op path at")
 
 
 _logged: set[str] = set()
