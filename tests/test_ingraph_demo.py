@@ -1,4 +1,4 @@
-"""The in-graph paths on the demo model (GEMM, fold-in-graph, custom op) against precompute-outside."""
+"""The in-graph paths on the demo model (GEMM at passthrough, custom op) against the stock model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from attnquant_max import AttnquantConfig, load_pipeline, logit_parity
 
 OUTSIDE = AttnquantConfig()
 GEMM = dataclasses.replace(OUTSIDE, precompute_outside=False, gemm=True)
-FOLD = dataclasses.replace(OUTSIDE, precompute_outside=False, precompute=True)
 CUSTOM = dataclasses.replace(OUTSIDE, precompute_outside=False, gemm=False)
 COMMON = {"max_length": 512, "max_batch_size": 8}
 
@@ -32,14 +31,18 @@ def test_gemm_at_passthrough_matches_the_stock_model(demo, theta_dir):
 
 
 @pytest.mark.slow
-def test_ingraph_paths_agree_with_precompute_outside_when_compressed(theta_dir):
+def test_custom_op_agrees_with_precompute_outside_when_compressed(theta_dir):
+    """G = 1, r = 16: the same greedy tokens. (GEMM and fold-in-graph are checked against
+    precompute-outside at G = 1, r = 16 on the tiny model in attnquant-max's tests: each demo
+    graph is minutes of cold compile in CI.)"""
     theta = theta_dir(1, 16)
-    with load_pipeline(theta, config=OUTSIDE, **COMMON) as outside:
-        for config in (GEMM, FOLD, CUSTOM):
-            with load_pipeline(theta, config=config, **COMMON) as ingraph:
-                report = _parity(outside, ingraph)
-            assert report.max_abs_logprob_delta < 1e-2, config
-            assert report.agreement >= 0.9, config
+    with (
+        load_pipeline(theta, config=OUTSIDE, **COMMON) as outside,
+        load_pipeline(theta, config=CUSTOM, **COMMON) as custom,
+    ):
+        report = _parity(outside, custom)
+    assert report.max_abs_logprob_delta < 1e-2
+    assert report.agreement == 1.0
 
 
 @pytest.mark.slow
