@@ -16,7 +16,8 @@ same on both paths.
 The theta tensors are graph inputs (as weights are in a served model), every weight dimension
 static and the batch dimension symbolic, so one compiled graph per (path, rank) serves both
 batch sizes: 6 compiles, cached by MAX across runs. Both paths are checked against each other
-before timing. Each sample is the mean latency of ``--inner`` back-to-back executions; the paths
+before timing (the random theta tensors and the float64 reference are those of
+``attnquant_kernels.testing``). Each sample is the mean latency of ``--inner`` back-to-back executions; the paths
 alternate sample by sample (order flipped every repetition), and the table gives medians and
 custom/GEMM (ratio of means; < 1 means the custom op is faster) with a bootstrap 95% CI.
 
@@ -43,6 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
+from attnquant_kernels.testing import apply, max_rel_error, mlp_ref, silu
+from attnquant_kernels.testing import theta as random_theta
+
 HIDDEN, Q_OUT, KV_OUT, INTERMEDIATE = 1024, 1024, 256, 4096
 # (name, out, in) of the four attention projections; o reads a hidden-sized input.
 ATTENTION = (
@@ -57,14 +61,10 @@ MLP = (("gate", INTERMEDIATE, HIDDEN), ("up", INTERMEDIATE, HIDDEN), ("down", HI
 def make_theta(rank: int, seed: int = 0) -> dict[str, tuple[np.ndarray, ...]]:
     """``name -> (W0, s, U, V)`` for the seven projections, float32, roughly unit-scaled outputs."""
     rng = np.random.default_rng(seed)
-    theta = {}
-    for name, out_dim, in_dim in ATTENTION + MLP:
-        W0 = rng.standard_normal((out_dim, in_dim), dtype=np.float32) / np.float32(np.sqrt(in_dim))
-        s = (1 + 0.1 * rng.standard_normal(out_dim)).astype(np.float32)
-        U = (0.1 * rng.standard_normal((out_dim, rank))).astype(np.float32)
-        V = (rng.standard_normal((in_dim, rank)) / np.sqrt(in_dim)).astype(np.float32)
-        theta[name] = (W0, s, U, V)
-    return theta
+    return {
+        name: tuple(random_theta(rng, out_dim, in_dim, rank))
+        for name, out_dim, in_dim in ATTENTION + MLP
+    }
 
 
 def custom_inputs(theta: dict) -> list[np.ndarray]:
@@ -173,15 +173,8 @@ def build_graph(path: str, rank: int, device: str = "cpu"):
 
 def reference(theta: dict, x: np.ndarray) -> list[np.ndarray]:
     """The numpy identity in float64: q, k, v, o (of x) and the MLP."""
-
-    def proj(a, name):
-        W0, s, U, V = (t.astype(np.float64) for t in theta[name])
-        return s * (a @ W0.T) + (a @ V) @ U.T
-
-    x64 = x.astype(np.float64)
-    outs = [proj(x64, n) for n in ("q", "k", "v", "o")]
-    g, u = proj(x64, "gate"), proj(x64, "up")
-    outs.append(proj(g / (1 + np.exp(-g)) * u, "down"))
+    outs = [apply(x, *theta[n]) for n in ("q", "k", "v", "o")]
+    outs.append(mlp_ref(x, theta["gate"], theta["up"], theta["down"], silu))
     return outs
 
 
@@ -248,7 +241,7 @@ def main() -> None:
                 got = [o.to_numpy() for o in model.execute(xb, *inputs[path])]  # to the host
                 errors[path] = {}
                 for name, a, b in zip(("q", "k", "v", "o", "mlp"), got, ref, strict=True):
-                    err = float(np.abs(a - b).max() / np.abs(b).max())
+                    err = max_rel_error(a, b)
                     errors[path][name] = err
                     if not err <= 1e-4:
                         message = f"{path} r={rank} batch={batch} {name}: rel. error {err:.2e}"

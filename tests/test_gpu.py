@@ -8,7 +8,8 @@ Every test here is marked ``gpu`` and skipped, with the reason, where MAX sees n
   GPU variant) against the numpy identity ``y = s*(x @ W0.T) + (x @ V) @ U.T`` in float64:
   float32 within 1e-4 and bfloat16 inputs within 2e-2, relative to the output's largest entry,
   ranks 0/16/64, batches 1/16/64 and a few projection-sized shapes. Two compiled graphs in all
-  (every dimension symbolic), as in ``packages/attnquant-kernels/tests/test_ops.py``. Rank 0 is
+  (every dimension symbolic), as in ``packages/attnquant-kernels/tests/test_ops.py``; both build
+  and check them with ``attnquant_kernels.testing`` (``device="gpu"`` here). Rank 0 is
   checked through the wrappers' ``U = V = None`` form, which makes the zero-size tensors inside
   the graph, so no zero-byte buffer is ever copied to the device.
 * The demo model served with ``ATTNQUANT_QUANT=nvfp4`` (the emulated path: packed weights
@@ -28,12 +29,14 @@ import logging
 import math
 import os
 import traceback
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+
+from attnquant_kernels.testing import OpModel, build_linear, build_mlp, check_linear, check_mlp
+from attnquant_kernels.testing import theta as random_theta
 
 _driver = pytest.importorskip("max.driver")
 
@@ -50,14 +53,9 @@ pytestmark = [
     ),
 ]
 
-F32_RTOL = 1e-4  # the issue's bar for float32
-BF16_RTOL = 2e-2  # inputs and output rounded to bfloat16 (8-bit mantissa), float32 sums
-
 REPORT_DIR = os.environ.get("AQ_GPU_REPORT_DIR")
 #: Every kernel check's measured error, rewritten to ``kernels_gpu_errors.json`` as it grows.
 _KERNEL_REPORT: dict[str, Any] = {"device": None, "checks": []}
-
-Model = Callable[..., list[np.ndarray]]
 
 
 def _write_report(name: str, payload: Any) -> None:
@@ -80,167 +78,40 @@ def _device_info() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- compiled graphs on the GPU
+# Graphs, references and checks: attnquant_kernels.testing (shared with test_ops.py on the CPU).
 
 
 @pytest.fixture(scope="module")
-def gpu() -> Any:
-    from max.driver import Accelerator
-
+def gpu() -> None:
+    """Records the device in the kernel report before the first graph is compiled on it."""
     _KERNEL_REPORT["device"] = _device_info()
-    return Accelerator()
-
-
-def _session_model(graph: Any, device: Any) -> Model:
-    """Inputs copied to ``device``, outputs copied back to the host as numpy arrays."""
-    from max.driver import CPU, Buffer
-    from max.engine import InferenceSession
-
-    model = InferenceSession(devices=[device]).load(graph)
-    host = CPU()
-
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        inputs = [Buffer.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
-        return [o.to(host).to_numpy() for o in model.execute(*inputs)]
-
-    return run
-
-
-def _bf16(values: Sequence[Any]) -> list[Any]:
-    from max.dtype import DType
-    from max.graph import ops
-
-    return [ops.cast(v, DType.bfloat16) for v in values]
-
-
-def _f32(value: Any) -> Any:
-    from max.dtype import DType
-    from max.graph import ops
-
-    return ops.cast(value, DType.float32)
 
 
 @pytest.fixture(scope="module")
-def linear(gpu: Any) -> Model:
+def linear(gpu: None) -> OpModel:
     """Outputs: the op (float32), the rank-0 wrapper form, the op on bfloat16 inputs."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
-
-    from attnquant_kernels import kernels_path
-    from attnquant_kernels.graph import generated_linear
-
-    dev = DeviceRef.GPU()
-    shapes = [["M", "K"], ["N", "K"], ["N"], ["N", "R"], ["K", "R"]]
-    types = [TensorType(DType.float32, s, device=dev) for s in shapes]
-    with Graph("aq_linear_gpu", input_types=types, custom_extensions=[kernels_path()]) as g:
-        x, W0, s, U, V = (v.tensor for v in g.inputs)
-        g.output(
-            generated_linear(x, W0, s, U, V),
-            generated_linear(x, W0, s),
-            _f32(generated_linear(*_bf16([x, W0, s, U, V]))),
-        )
-    return _session_model(g, gpu)
+    return build_linear("gpu")
 
 
 @pytest.fixture(scope="module")
-def mlp(gpu: Any) -> Model:
+def mlp(gpu: None) -> OpModel:
     """Outputs: SiLU, tanh-GELU, SiLU in the rank-0 form (float32), SiLU on bfloat16 inputs."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
-
-    from attnquant_kernels import kernels_path
-    from attnquant_kernels.graph import generated_mlp
-
-    dev = DeviceRef.GPU()
-    shapes = [["M", "H"]]
-    for out_dim, in_dim, r in (("F", "H", "RG"), ("F", "H", "RU"), ("H", "F", "RD")):
-        shapes += [[out_dim, in_dim], [out_dim], [out_dim, r], [in_dim, r]]
-    types = [TensorType(DType.float32, s, device=dev) for s in shapes]
-    with Graph("aq_mlp_gpu", input_types=types, custom_extensions=[kernels_path()]) as g:
-        x, *w = (v.tensor for v in g.inputs)
-        gate, up, down = w[0:4], w[4:8], w[8:12]
-        rank0 = [(p[0], p[1], None, None) for p in (gate, up, down)]
-        xb, *wb = _bf16([x, *w])
-        g.output(
-            generated_mlp(x, gate, up, down, activation="silu"),
-            generated_mlp(x, gate, up, down, activation="gelu_tanh"),
-            generated_mlp(x, *rank0, activation="silu"),
-            _f32(generated_mlp(xb, wb[0:4], wb[4:8], wb[8:12], activation="silu")),
-        )
-    return _session_model(g, gpu)
+    return build_mlp("gpu")
 
 
-# ---------------------------------------------------------------- references (float64)
-
-
-def _theta(rng: np.random.Generator, out_dim: int, in_dim: int, rank: int) -> list[np.ndarray]:
-    """(W0, s, U, V), float32, with outputs of order one."""
-    W0 = rng.standard_normal((out_dim, in_dim)) / np.sqrt(max(in_dim, 1))
-    s = 1.0 + 0.2 * rng.standard_normal(out_dim)
-    U = 0.3 * rng.standard_normal((out_dim, rank))
-    V = rng.standard_normal((in_dim, rank)) / np.sqrt(max(in_dim, 1))
-    return [np.ascontiguousarray(a, dtype=np.float32) for a in (W0, s, U, V)]
-
-
-def _apply(x: np.ndarray, W0: np.ndarray, s: np.ndarray, U: np.ndarray, V: np.ndarray):
-    """The identity of DESIGN §1 in float64: s * (x W0^T) + (x V) U^T."""
-    f = [a.astype(np.float64) for a in (x, W0, s, U, V)]
-    return f[2] * (f[0] @ f[1].T) + (f[0] @ f[4]) @ f[3].T
-
-
-def _silu(z: np.ndarray) -> np.ndarray:
-    return z / (1.0 + np.exp(-z))
-
-
-def _gelu_tanh(z: np.ndarray) -> np.ndarray:
-    return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z**3)))
-
-
-def _mlp_ref(x, gate, up, down, act) -> np.ndarray:
-    return _apply(act(_apply(x, *gate)) * _apply(x, *up), *down)
-
-
-def _round_bf16(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    import ml_dtypes
-
-    return [a.astype(ml_dtypes.bfloat16).astype(np.float32) for a in arrays]
-
-
-def _rank0(proj: Sequence[np.ndarray]) -> list[np.ndarray]:
-    W0, s, U, V = proj
-    return [W0, s, U[:, :0], V[:, :0]]
-
-
-def _close(got: np.ndarray, ref: np.ndarray, rtol: float, what: str) -> None:
-    """Within ``rtol`` of the reference, elementwise and relative to its largest entry."""
-    assert got.shape == ref.shape, what
-    assert np.isfinite(got).all(), f"{what}: non-finite output"
-    scale = float(np.abs(ref).max()) if ref.size else 1.0
-    err = float(np.abs(got - ref).max() / scale) if ref.size and scale else 0.0
-    _KERNEL_REPORT["checks"].append({"check": what, "max_rel_error": err, "bound": rtol})
+def _record(what: str, err: float, bound: float) -> None:
+    """Every check's measured error, rewritten to ``kernels_gpu_errors.json`` as it grows."""
+    _KERNEL_REPORT["checks"].append({"check": what, "max_rel_error": err, "bound": bound})
     _write_report("kernels_gpu_errors.json", _KERNEL_REPORT)
-    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * scale, err_msg=what)
 
 
 # ---------------------------------------------------------------- generated_linear
 
 
-def _check_linear(linear: Model, M: int, K: int, N: int, R: int, seed: int = 0) -> None:
-    """Rank ``R`` through the rank-0 form when ``R == 0`` (the general output then runs r=1)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((M, K)).astype(np.float32)
-    W0, s, U, V = _theta(rng, N, K, max(R, 1))
-    y, y0, yb = linear(x, W0, s, U, V)
-    r = U.shape[1]
-    what = f"gpu linear M={M} K={K} N={N}"
-    _close(y, _apply(x, W0, s, U, V), F32_RTOL, f"{what} r={r}")
-    _close(y0, _apply(x, *_rank0([W0, s, U, V])), F32_RTOL, f"{what} r=0 (U=V=None)")
-    _close(yb, _apply(*_round_bf16([x, W0, s, U, V])), BF16_RTOL, f"{what} r={r} bf16")
-
-
 @pytest.mark.parametrize("rank", [0, 16, 64])
 @pytest.mark.parametrize("batch", [1, 16, 64])
-def test_gpu_linear_matches_the_identity(linear: Model, rank: int, batch: int):
-    _check_linear(linear, batch, 96, 72, rank, seed=rank * 100 + batch)
+def test_gpu_linear_matches_the_identity(linear: OpModel, rank: int, batch: int):
+    check_linear(linear, batch, 96, 72, rank, seed=rank * 100 + batch, report=_record)
 
 
 @pytest.mark.parametrize(
@@ -253,36 +124,17 @@ def test_gpu_linear_matches_the_identity(linear: Model, rank: int, batch: int):
         (64, 4096, 1024, 64),  # the down projection's width, long float32 sums
     ],
 )
-def test_gpu_linear_shapes(linear: Model, M: int, K: int, N: int, R: int):
-    _check_linear(linear, M, K, N, R)
+def test_gpu_linear_shapes(linear: OpModel, M: int, K: int, N: int, R: int):
+    check_linear(linear, M, K, N, R, report=_record)
 
 
 # ---------------------------------------------------------------- generated_mlp
 
 
-def _check_mlp(mlp: Model, M: int, H: int, F: int, ranks: tuple[int, int, int], seed: int = 0):
-    """Ranks of 0 are checked through the rank-0 form (all three projections at r=0)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((M, H)).astype(np.float32)
-    gate = _theta(rng, F, H, max(ranks[0], 1))
-    up = _theta(rng, F, H, max(ranks[1], 1))
-    down = _theta(rng, H, F, max(ranks[2], 1))
-    silu, gelu, silu0, silu_bf16 = mlp(x, *gate, *up, *down)
-    r = tuple(p[2].shape[1] for p in (gate, up, down))
-    what = f"gpu mlp M={M} H={H} F={F}"
-    _close(silu, _mlp_ref(x, gate, up, down, _silu), F32_RTOL, f"{what} r={r} silu")
-    _close(gelu, _mlp_ref(x, gate, up, down, _gelu_tanh), F32_RTOL, f"{what} r={r} gelu_tanh")
-    ref0 = _mlp_ref(x, _rank0(gate), _rank0(up), _rank0(down), _silu)
-    _close(silu0, ref0, F32_RTOL, f"{what} r=0 (U=V=None) silu")
-    xb, *wb = _round_bf16([x, *gate, *up, *down])
-    ref_bf16 = _mlp_ref(xb, wb[0:4], wb[4:8], wb[8:12], _silu)
-    _close(silu_bf16, ref_bf16, BF16_RTOL, f"{what} r={r} silu bf16")
-
-
 @pytest.mark.parametrize("rank", [0, 16, 64])
 @pytest.mark.parametrize("batch", [1, 16, 64])
-def test_gpu_mlp_matches_silu_and_gelu_references(mlp: Model, rank: int, batch: int):
-    _check_mlp(mlp, batch, 64, 160, (rank, rank, rank), seed=rank * 100 + batch)
+def test_gpu_mlp_matches_silu_and_gelu_references(mlp: OpModel, rank: int, batch: int):
+    check_mlp(mlp, batch, 64, 160, (rank, rank, rank), seed=rank * 100 + batch, report=_record)
 
 
 @pytest.mark.parametrize(
@@ -293,18 +145,18 @@ def test_gpu_mlp_matches_silu_and_gelu_references(mlp: Model, rank: int, batch: 
         (64, 1024, 4096, (64, 5, 16)),
     ],
 )
-def test_gpu_mlp_shapes(mlp: Model, M: int, H: int, F: int, ranks: tuple[int, int, int]):
-    _check_mlp(mlp, M, H, F, ranks)
+def test_gpu_mlp_shapes(mlp: OpModel, M: int, H: int, F: int, ranks: tuple[int, int, int]):
+    check_mlp(mlp, M, H, F, ranks, report=_record)
 
 
-def test_gpu_linear_kernel_refuses_rank_65(linear: Model):
+def test_gpu_linear_kernel_refuses_rank_65(linear: OpModel):
     """A symbolic rank reaches the GPU kernel's host code, which refuses it with the advice.
 
     Last of the kernel tests, after every check that needs the device in a good state.
     """
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 8)).astype(np.float32)
-    W0, s, U, V = _theta(rng, 4, 8, 65)
+    W0, s, U, V = random_theta(rng, 4, 8, 65)
     with pytest.raises(Exception, match=r"r=65 is above 64.*ATTNQUANT_GEMM=1"):
         linear(x, W0, s, U, V)
 

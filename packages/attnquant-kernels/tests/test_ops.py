@@ -4,6 +4,8 @@ Two compiled graphs for the whole module (each a minute or two cold on two cores
 once MAX has cached them): every dimension is symbolic (batch, in, out, ranks), so one
 compile serves every shape and rank below. Each graph computes the float32 op, the rank-0
 form of the wrapper (no U, V) where it applies, and the op on bfloat16 copies of its inputs.
+The graphs, the float64 references and the checks are in :mod:`attnquant_kernels.testing`,
+shared with the GPU variant of these checks (``tests/test_gpu.py``).
 """
 
 from __future__ import annotations
@@ -11,144 +13,34 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnquant_kernels import MAX_RANK, RankError, kernels_path
+from attnquant_kernels.testing import (
+    OpModel,
+    build_linear,
+    build_mlp,
+    check_linear,
+    check_mlp,
+    theta,
+)
 
 pytestmark = pytest.mark.slow
 
-F32_RTOL = 1e-4  # the issue's bar for float32
-BF16_RTOL = 2e-2  # inputs and output rounded to bfloat16 (8-bit mantissa), float32 sums
-
-Model = Callable[..., list[np.ndarray]]
-
-
-def _session_model(graph: Any) -> Model:
-    from max.driver import CPU, Buffer
-    from max.engine import InferenceSession
-
-    model = InferenceSession(devices=[CPU()]).load(graph)
-
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        return [o.to_numpy() for o in model.execute(*(Buffer.from_numpy(a) for a in arrays))]
-
-    return run
-
-
-def _bf16(values: Sequence[Any]) -> list[Any]:
-    from max.dtype import DType
-    from max.graph import ops
-
-    return [ops.cast(v, DType.bfloat16) for v in values]
-
-
-def _f32(value: Any) -> Any:
-    from max.dtype import DType
-    from max.graph import ops
-
-    return ops.cast(value, DType.float32)
-
 
 @pytest.fixture(scope="session")
-def linear() -> Model:
+def linear() -> OpModel:
     """Outputs: the op (float32), the rank-0 wrapper form, the op on bfloat16 inputs."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
-
-    from attnquant_kernels.graph import generated_linear
-
-    dev = DeviceRef.CPU()
-    shapes = [["M", "K"], ["N", "K"], ["N"], ["N", "R"], ["K", "R"]]
-    types = [TensorType(DType.float32, s, device=dev) for s in shapes]
-    with Graph("aq_linear_test", input_types=types, custom_extensions=[kernels_path()]) as g:
-        x, W0, s, U, V = (v.tensor for v in g.inputs)
-        g.output(
-            generated_linear(x, W0, s, U, V),
-            generated_linear(x, W0, s),
-            _f32(generated_linear(*_bf16([x, W0, s, U, V]))),
-        )
-    return _session_model(g)
+    return build_linear("cpu")
 
 
 @pytest.fixture(scope="session")
-def mlp() -> Model:
+def mlp() -> OpModel:
     """Outputs: SiLU (float32), tanh-GELU (float32), SiLU on bfloat16 inputs."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
-
-    from attnquant_kernels.graph import generated_mlp
-
-    dev = DeviceRef.CPU()
-    shapes = [["M", "H"]]
-    for out_dim, in_dim, r in (("F", "H", "RG"), ("F", "H", "RU"), ("H", "F", "RD")):
-        shapes += [[out_dim, in_dim], [out_dim], [out_dim, r], [in_dim, r]]
-    types = [TensorType(DType.float32, s, device=dev) for s in shapes]
-    with Graph("aq_mlp_test", input_types=types, custom_extensions=[kernels_path()]) as g:
-        x, *w = (v.tensor for v in g.inputs)
-        gate, up, down = w[0:4], w[4:8], w[8:12]
-        xb, *wb = _bf16([x, *w])
-        g.output(
-            generated_mlp(x, gate, up, down, activation="silu"),
-            generated_mlp(x, gate, up, down, activation="gelu_tanh"),
-            _f32(generated_mlp(xb, wb[0:4], wb[4:8], wb[8:12], activation="silu")),
-        )
-    return _session_model(g)
-
-
-# ---------------------------------------------------------------- references (float64)
-
-
-def _theta(rng: np.random.Generator, out_dim: int, in_dim: int, rank: int) -> list[np.ndarray]:
-    """(W0, s, U, V), float32, with outputs of order one."""
-    W0 = rng.standard_normal((out_dim, in_dim)) / np.sqrt(max(in_dim, 1))
-    s = 1.0 + 0.2 * rng.standard_normal(out_dim)
-    U = 0.3 * rng.standard_normal((out_dim, rank))
-    V = rng.standard_normal((in_dim, rank)) / np.sqrt(max(in_dim, 1))
-    return [np.ascontiguousarray(a, dtype=np.float32) for a in (W0, s, U, V)]
-
-
-def _apply(x: np.ndarray, W0: np.ndarray, s: np.ndarray, U: np.ndarray, V: np.ndarray):
-    """The identity of DESIGN §1 in float64: s * (x W0^T) + (x V) U^T."""
-    f = [a.astype(np.float64) for a in (x, W0, s, U, V)]
-    return f[2] * (f[0] @ f[1].T) + (f[0] @ f[4]) @ f[3].T
-
-
-def _silu(z: np.ndarray) -> np.ndarray:
-    return z / (1.0 + np.exp(-z))
-
-
-def _gelu_tanh(z: np.ndarray) -> np.ndarray:
-    return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z**3)))
-
-
-def _mlp_ref(x, gate, up, down, act) -> np.ndarray:
-    return _apply(act(_apply(x, *gate)) * _apply(x, *up), *down)
-
-
-def _round_bf16(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    return [a.astype(ml_dtypes.bfloat16).astype(np.float32) for a in arrays]
-
-
-def _close(got: np.ndarray, ref: np.ndarray, rtol: float, what: str) -> None:
-    """Within ``rtol`` of the reference, elementwise and relative to its largest entry."""
-    assert got.shape == ref.shape, what
-    scale = float(np.abs(ref).max()) if ref.size else 1.0
-    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * scale, err_msg=what)
-
-
-def _check_linear(linear: Model, M: int, K: int, N: int, R: int, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((M, K)).astype(np.float32)
-    W0, s, U, V = _theta(rng, N, K, R)
-    y, y0, yb = linear(x, W0, s, U, V)
-    what = f"M={M} K={K} N={N} r={R}"
-    _close(y, _apply(x, W0, s, U, V), F32_RTOL, what)
-    _close(y0, _apply(x, W0, s, U[:, :0], V[:, :0]), F32_RTOL, what + " (rank-0 form)")
-    _close(yb, _apply(*_round_bf16([x, W0, s, U, V])), BF16_RTOL, what + " (bf16)")
+    return build_mlp("cpu")
 
 
 # ---------------------------------------------------------------- generated_linear
@@ -156,8 +48,8 @@ def _check_linear(linear: Model, M: int, K: int, N: int, R: int, seed: int = 0) 
 
 @pytest.mark.parametrize("rank", [0, 1, 7, 16, 63, 64])
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
-def test_linear_matches_the_identity_over_ranks_and_batches(linear: Model, rank: int, batch: int):
-    _check_linear(linear, batch, 96, 72, rank, seed=rank * 100 + batch)
+def test_linear_matches_the_identity_over_ranks_and_batches(linear: OpModel, rank: int, batch: int):
+    check_linear(linear, batch, 96, 72, rank, seed=rank * 100 + batch)
 
 
 @pytest.mark.parametrize(
@@ -172,8 +64,8 @@ def test_linear_matches_the_identity_over_ranks_and_batches(linear: Model, rank:
         (1, 1024, 4096, 16),  # decode, MLP-sized output
     ],
 )
-def test_linear_shapes(linear: Model, M: int, K: int, N: int, R: int):
-    _check_linear(linear, M, K, N, R)
+def test_linear_shapes(linear: OpModel, M: int, K: int, N: int, R: int):
+    check_linear(linear, M, K, N, R)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -184,22 +76,22 @@ def test_linear_shapes(linear: Model, M: int, K: int, N: int, R: int):
     R=st.integers(0, MAX_RANK),
     seed=st.integers(0, 2**16),
 )
-def test_linear_random_shapes(linear: Model, M: int, K: int, N: int, R: int, seed: int):
-    _check_linear(linear, M, K, N, R, seed)
+def test_linear_random_shapes(linear: OpModel, M: int, K: int, N: int, R: int, seed: int):
+    check_linear(linear, M, K, N, R, seed)
 
 
-def test_linear_empty_batch(linear: Model):
+def test_linear_empty_batch(linear: OpModel):
     rng = np.random.default_rng(1)
-    W0, s, U, V = _theta(rng, 6, 8, 3)
+    W0, s, U, V = theta(rng, 6, 8, 3)
     y, y0, yb = linear(np.zeros((0, 8), np.float32), W0, s, U, V)
     assert y.shape == y0.shape == yb.shape == (0, 6)
 
 
-def test_linear_kernel_refuses_rank_65(linear: Model):
+def test_linear_kernel_refuses_rank_65(linear: OpModel):
     """A symbolic rank reaches the kernel, which refuses it with the same advice."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 8)).astype(np.float32)
-    W0, s, U, V = _theta(rng, 4, 8, MAX_RANK + 1)
+    W0, s, U, V = theta(rng, 4, 8, MAX_RANK + 1)
     with pytest.raises(Exception, match=r"r=65 is above 64.*ATTNQUANT_GEMM=1"):
         linear(x, W0, s, U, V)
 
@@ -207,25 +99,10 @@ def test_linear_kernel_refuses_rank_65(linear: Model):
 # ---------------------------------------------------------------- generated_mlp
 
 
-def _check_mlp(mlp: Model, M: int, H: int, F: int, ranks: tuple[int, int, int], seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((M, H)).astype(np.float32)
-    gate = _theta(rng, F, H, ranks[0])
-    up = _theta(rng, F, H, ranks[1])
-    down = _theta(rng, H, F, ranks[2])
-    silu, gelu, silu_bf16 = mlp(x, *gate, *up, *down)
-    what = f"M={M} H={H} F={F} ranks={ranks}"
-    _close(silu, _mlp_ref(x, gate, up, down, _silu), F32_RTOL, what + " silu")
-    _close(gelu, _mlp_ref(x, gate, up, down, _gelu_tanh), F32_RTOL, what + " gelu_tanh")
-    xb, *wb = _round_bf16([x, *gate, *up, *down])
-    ref_bf16 = _mlp_ref(xb, wb[0:4], wb[4:8], wb[8:12], _silu)
-    _close(silu_bf16, ref_bf16, BF16_RTOL, what + " silu bf16")
-
-
 @pytest.mark.parametrize("rank", [0, 1, 7, 16, 63, 64])
 @pytest.mark.parametrize("batch", [1, 16, 64])
-def test_mlp_matches_silu_and_gelu_references(mlp: Model, rank: int, batch: int):
-    _check_mlp(mlp, batch, 64, 160, (rank, rank, rank), seed=rank * 100 + batch)
+def test_mlp_matches_silu_and_gelu_references(mlp: OpModel, rank: int, batch: int):
+    check_mlp(mlp, batch, 64, 160, (rank, rank, rank), seed=rank * 100 + batch)
 
 
 @pytest.mark.parametrize(
@@ -237,8 +114,8 @@ def test_mlp_matches_silu_and_gelu_references(mlp: Model, rank: int, batch: int)
         (2, 256, 1024, (16, 16, 16)),
     ],
 )
-def test_mlp_shapes(mlp: Model, M: int, H: int, F: int, ranks: tuple[int, int, int]):
-    _check_mlp(mlp, M, H, F, ranks)
+def test_mlp_shapes(mlp: OpModel, M: int, H: int, F: int, ranks: tuple[int, int, int]):
+    check_mlp(mlp, M, H, F, ranks)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -249,18 +126,18 @@ def test_mlp_shapes(mlp: Model, M: int, H: int, F: int, ranks: tuple[int, int, i
     ranks=st.tuples(*[st.integers(0, MAX_RANK)] * 3),
     seed=st.integers(0, 2**16),
 )
-def test_mlp_random_shapes(mlp: Model, M: int, H: int, F: int, ranks, seed: int):
-    _check_mlp(mlp, M, H, F, ranks, seed)
+def test_mlp_random_shapes(mlp: OpModel, M: int, H: int, F: int, ranks, seed: int):
+    check_mlp(mlp, M, H, F, ranks, seed)
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])
-def test_mlp_kernel_refuses_rank_65(mlp: Model, which: int):
+def test_mlp_kernel_refuses_rank_65(mlp: OpModel, which: int):
     rng = np.random.default_rng(3)
     ranks = [2, 2, 2]
     ranks[which] = MAX_RANK + 1
     x = rng.standard_normal((2, 8)).astype(np.float32)
-    weights = _theta(rng, 12, 8, ranks[0]) + _theta(rng, 12, 8, ranks[1])
-    weights += _theta(rng, 8, 12, ranks[2])
+    weights = theta(rng, 12, 8, ranks[0]) + theta(rng, 12, 8, ranks[1])
+    weights += theta(rng, 8, 12, ranks[2])
     name = ("gate", "up", "down")[which]
     with pytest.raises(Exception, match=rf"{name} rank r=65 is above 64.*ATTNQUANT_GEMM=1"):
         mlp(x, *weights)
