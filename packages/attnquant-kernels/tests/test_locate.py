@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +34,10 @@ def test_mojo_and_python_agree_on_the_rank_limit():
 
 
 def test_version_comes_from_metadata():
-    assert ak.__version__ == "0.1.0"
+    import tomllib
+
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    assert ak.__version__ == tomllib.loads(pyproject.read_text())["project"]["version"]
 
 
 def test_import_needs_neither_numpy_nor_max():
