@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -175,9 +176,7 @@ class ServingPlan:
             return f"attnquant: serving {where} unchanged (passthrough, no rebuild)"
         g = "layers (passthrough)" if self.passthrough else str(self.blocks)
         if self.blocks is None or any(form != "banded" for form in self.forms.values()):
-            counts: dict[str, int] = {}
-            for form in self.forms.values():
-                counts[form] = counts.get(form, 0) + 1
+            counts = Counter(self.forms.values())
             g = f"{self.blocks} (forms: " + ", ".join(f"{n} {f}" for f, n in counts.items()) + ")"
         how = "theta keys" if self.source == "theta" else "decomposition at load"
         if self.in_graph:
@@ -376,10 +375,10 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
 
 
 def _check_custom_op_rank(path: str, rank: int, model_path: Path) -> None:
-    """The custom op serves ``r <= 64`` (attnquant-kernels ``MAX_RANK``); say so at start-up."""
-    from attnquant_kernels import MAX_RANK, check_rank
+    """The custom op serves ``r <= 64`` (attnquant-kernels' limit); say so at start-up."""
+    if path == "custom-op":
+        from attnquant_kernels import check_rank
 
-    if path == "custom-op" and rank > MAX_RANK:
         check_rank(rank, what=f"{model_path}: the custom-op path at")
 
 
