@@ -14,8 +14,12 @@ from attnquant_core._safetensors_io import SafetensorsFiles
 
 def test_export_demo_theta_to_nvfp4(demo, theta_dir, tmp_path, capsys):
     out = tmp_path / "fp4"
-    assert cli(["export", str(theta_dir("layers", 0)), "-o", str(out), "--format", "nvfp4"]) == 0
-    assert "projections in NVFP4" in capsys.readouterr().out
+    argv = ["export", str(theta_dir("layers", 0)), "-o", str(out), "--format", "nvfp4"]
+    assert cli(argv) == 0
+    assert "projections in NVFP4" in capsys.readouterr().out  # one line, never wrapped
+    assert cli([*argv, "--overwrite", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["format"], summary["quantized"], summary["copied"]) == ("nvfp4", 42, 15)
     # safetensors.numpy cannot build float8 arrays; core's reader maps them through ml_dtypes.
     files = SafetensorsFiles.from_files(sorted(out.glob("*.safetensors")))
     tensors = {key: files.get(key) for key in files.keys()}

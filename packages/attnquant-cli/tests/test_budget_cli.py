@@ -17,8 +17,7 @@ def src(tmp_path):
     return write_checkpoint(tmp_path / "src", make_structured_weights(4, kind="shared"))
 
 
-def test_decompose_at_a_budget_says_what_was_chosen_and_why(src, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "240")
+def test_decompose_at_a_budget_says_what_was_chosen_and_why(src, tmp_path, capsys):
     out = tmp_path / "theta"
     assert cli(["decompose", str(src), "-o", str(out), "--budget", "0.5"]) == 0
     table = capsys.readouterr().out
@@ -67,8 +66,7 @@ def test_decompose_without_budget_is_unchanged(src, tmp_path, capsys):
     assert ckpt.blocks == 1 and ckpt.rank == 2
 
 
-def test_analyze_adds_the_budget_frontier(src, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
+def test_analyze_adds_the_budget_frontier(src, tmp_path, capsys):
     out = tmp_path / "an"
     argv = ["analyze", str(src), "--blocks", "1", "--rank", "0,4", "--budget", "0.2,0.5", "-o"]
     assert cli([*argv, str(out)]) == 0

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -33,6 +32,7 @@ from attnquant_core import (
     decompose_checkpoint,
 )
 
+from ._console import Output
 from ._demo import demo_model_path
 from ._prompts import VERIFY_PROMPTS
 
@@ -48,8 +48,27 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
-out = Console()
+console = Output(stderr=True)
+out = Output()
+
+JsonFlag = Annotated[
+    bool,
+    typer.Option(
+        "--json", help="Print the figures as one JSON object on stdout (tables go to stderr)."
+    ),
+]
+# What ``decompose --json`` reports of each family (the manifest's per-family figures).
+SUMMARY_KEYS = (
+    "form",
+    "side",
+    "shape",
+    "blocks",
+    "rank",
+    "ranks",
+    "error",
+    "stored_parameters",
+    "dense_parameters",
+)
 
 
 @app.callback()
@@ -128,6 +147,7 @@ def decompose(
         ),
     ] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+    json_summary: JsonFlag = False,
 ) -> None:
     """Decompose every projection family of CKPT into a theta checkpoint."""
     src = demo_model_path() if str(ckpt) == "demo" else ckpt
@@ -140,7 +160,8 @@ def decompose(
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; remove it or pass --overwrite")
     if not align:
-        _decompose(src, output, blocks, rank, value, overwrite=overwrite)
+        _decompose(src, output, blocks, rank, value, overwrite=overwrite, quiet=json_summary)
+        _print_json_summary(output, json_summary)
         return
     import tempfile
 
@@ -160,11 +181,48 @@ def decompose(
         for name, (before, after) in report.distances.items():
             ratio = after / before if before > 0 else 1.0
             table.add_row(name, f"{before:.4f}", f"{after:.4f}", f"{ratio:.3f}")
-        out.print(table)
+        (console if json_summary else out).print_table(table)
         for note in report.notes:
             console.print(f"note: {note}")
-        _decompose(report.path, output, blocks, rank, value, overwrite=overwrite)
+        _decompose(
+            report.path, output, blocks, rank, value, overwrite=overwrite, quiet=json_summary
+        )
     _record_source(output, src, aligned=True)
+    _print_json_summary(output, json_summary)
+
+
+def _print_json_summary(output: Path, wanted: bool) -> None:
+    """``--json``: the written checkpoint's figures as one JSON object on stdout."""
+    if not wanted:
+        return
+    import json
+
+    from attnquant_core import MANIFEST_FILE
+
+    manifest = json.loads((output / MANIFEST_FILE).read_text())
+    families = {
+        name: {key: fam[key] for key in SUMMARY_KEYS if key in fam}
+        for name, fam in manifest["families"].items()
+    }
+    stored = sum(f["stored_parameters"] for f in families.values())
+    dense = sum(f["dense_parameters"] for f in families.values())
+    summary = {
+        "output": str(output),
+        "blocks": manifest.get("blocks"),
+        "rank": manifest.get("rank"),
+        "stored_parameters": stored,
+        "dense_parameters": dense,
+        "families": families,
+    }
+    if "budget" in manifest:
+        summary["budget"] = manifest["budget"]
+    _print_json(summary)
+
+
+def _print_json(payload: object) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(payload) + "\n")
 
 
 def _record_source(output: Path, src: Path, *, aligned: bool) -> None:
@@ -195,10 +253,12 @@ def _decompose(
     budget: float | None,
     *,
     overwrite: bool,
+    quiet: bool = False,
 ) -> None:
-    """Fit to ``budget``, or band every family with ``blocks``/``rank``; print the summary."""
+    """Fit to ``budget``, or band every family with ``blocks``/``rank``; print the summary
+    table on stdout (on stderr when ``quiet``: ``--json`` keeps stdout for the JSON)."""
     if budget is not None:
-        _decompose_budget(src, output, budget, overwrite=overwrite)
+        _decompose_budget(src, output, budget, overwrite=overwrite, quiet=quiet)
         return
     with _progress_bars() as progress:
         manifest = decompose_checkpoint(
@@ -227,10 +287,12 @@ def _decompose(
             f"{stored / dense:.3f}",
         )
     table.add_row("total", "", "", "", "", f"{total_stored / total_dense:.3f}", style="bold")
-    out.print(table)
+    (console if quiet else out).print_table(table)
 
 
-def _decompose_budget(src: Path, output: Path, budget: float, *, overwrite: bool) -> None:
+def _decompose_budget(
+    src: Path, output: Path, budget: float, *, overwrite: bool, quiet: bool = False
+) -> None:
     """``decompose --budget``: fit, then say per family what was chosen and why."""
     from attnquant_core import decompose_budget
 
@@ -238,7 +300,8 @@ def _decompose_budget(src: Path, output: Path, budget: float, *, overwrite: bool
         report = decompose_budget(
             src, output, budget=budget, progress=_reporter(progress), overwrite=overwrite
         )
-    out.print(budget_table(report, title=f"{output}  (budget {budget:g}, auto form)"))
+    table = budget_table(report, title=f"{output}  (budget {budget:g}, auto form)")
+    (console if quiet else out).print_table(table)
 
 
 def budget_table(report: BudgetReport, *, title: str) -> Table:
@@ -292,6 +355,7 @@ def export(
         float, typer.Option(min=0.0, help="Static per-tensor activation scale (no calibration).")
     ] = 1.0,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+    json_summary: JsonFlag = False,
 ) -> None:
     """Export the rebuilt weights of CKPT in Model Optimizer's NVFP4 layout."""
     from attnquant_max import ExportProgress, export_nvfp4
@@ -310,6 +374,9 @@ def export(
         summary = export_nvfp4(
             src, output, input_scale=input_scale, overwrite=overwrite, progress=report
         )
+    if json_summary:
+        _print_json({"output": str(output), "format": format, **summary})
+        return
     out.print(
         f"{output}: {summary['quantized']} projections in NVFP4, {summary['copied']} tensors "
         f"copied; projection bytes {summary['packed_bytes']:,} (float32: "
@@ -402,9 +469,9 @@ def analyze(
     write_atomic(
         output / "analyze.png", lambda p: write_plot(result, p, title=title, frontier=frontier)
     )
-    out.print(sweep_table(result, title))
+    out.print_table(sweep_table(result, title))
     if frontier:
-        out.print(frontier_table(frontier, f"{src.name}: budget frontier (auto form)"))
+        out.print_table(frontier_table(frontier, f"{src.name}: budget frontier (auto form)"))
     console.print(f"wrote {output}/analyze.csv, analyze.json, analyze.png", highlight=False)
 
 
@@ -553,7 +620,7 @@ def verify(
             f"{report.theta_weight_bytes / 2**20:.2f} / {report.base_weight_bytes / 2**20:.2f} MiB",
             f"{report.theta_weight_bytes / report.base_weight_bytes:.3f}x",
         )
-    out.print(table)
+    out.print_table(table)
     out.print(f"verdict: {verdict}")
     if output is not None:
         import dataclasses
@@ -640,7 +707,7 @@ def bench(
             for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")
         ),
     )
-    out.print(table)
+    out.print_table(table)
     out.print(f"gate {gate}: {result['verdict']}")
     write_atomic(output, lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     console.print(f"wrote {output}", highlight=False)

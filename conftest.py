@@ -1,0 +1,52 @@
+"""Root pytest plugin, loaded by every test session: a log of the MAX graphs each test compiles.
+
+Set ``ATTNQUANT_COMPILE_LOG=FILE`` and every test appends one JSON line per test that compiled a
+graph (in this process or in a child, such as ``max serve``): its node id, how many new graphs
+appeared in MAX's cache, their cache names and the test's wall time, setup and teardown included
+(session fixtures compile in the setup of the first test that needs them). A graph in MAX's cache
+is one ``.max_cache/mof/mef/<version>/<hash>`` file, written when a compile finishes.
+``scripts/cold_ci.py`` runs the whole CI with an empty cache and tabulates this log.
+
+Standard library only: attnquant-core's session has no MAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+
+def max_graph_cache() -> Path:
+    """Where MAX 26.7 keeps compiled graphs (it follows ``XDG_CACHE_HOME``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "modular" / ".max_cache" / "mof" / "mef"
+
+
+def _graphs() -> set[str]:
+    root = max_graph_cache()
+    return {p.relative_to(root).as_posix() for p in root.glob("*/*")} if root.is_dir() else set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    log = os.environ.get("ATTNQUANT_COMPILE_LOG")
+    if not log:
+        yield
+        return
+    before, start = _graphs(), time.monotonic()
+    yield
+    new = sorted(_graphs() - before)
+    if new:
+        record = {
+            "test": item.nodeid,
+            "graphs": len(new),
+            "names": new,
+            "seconds": round(time.monotonic() - start, 1),
+            "session": os.environ.get("ATTNQUANT_CI_SESSION", ""),
+        }
+        with open(log, "a", encoding="utf-8") as sink:
+            sink.write(json.dumps(record) + "\n")
