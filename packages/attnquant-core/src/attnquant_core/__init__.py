@@ -36,6 +36,20 @@ from ._analysis import (
     sweep,
 )
 from ._bands import band_of_layers, band_sizes, resolve_blocks
+from ._benchstats import (
+    EXIT_CODES,
+    LoadReading,
+    MachineLoad,
+    PairedRuns,
+    RatioInterval,
+    gate_verdict,
+    machine_load,
+    paired_order,
+    paired_ratio,
+    read_load,
+    run_paired,
+    unpaired_ratio,
+)
 from ._budget import (
     BUDGET_EXACT_MAX_DIM,
     BudgetReport,
@@ -165,6 +179,19 @@ __all__ = [
     "pooled_error",
     "relative_error",
     "stored_parameters",
+    # benchmark statistics (paired runs, ratio intervals, gate verdicts, machine load)
+    "EXIT_CODES",
+    "LoadReading",
+    "MachineLoad",
+    "PairedRuns",
+    "RatioInterval",
+    "gate_verdict",
+    "machine_load",
+    "paired_order",
+    "paired_ratio",
+    "read_load",
+    "run_paired",
+    "unpaired_ratio",
     # errors
     "AttnquantError",
     "BandMismatchError",
