@@ -17,6 +17,7 @@ __all__ = [
     "FAMILIES",
     "Checkpoint",
     "FamilyInfo",
+    "check_config_dims",
     "INDEX_FILE",
     "open_checkpoint",
     "parse_projection_key",
@@ -73,6 +74,14 @@ class Checkpoint:
         self.tensors = files
         self.config = config
         self.families = _detect_families(path, files)
+        if config is not None:
+            check_config_dims(
+                self.directory / "config.json",
+                config,
+                num_layers=self.num_layers,
+                projections={n: (f.keys[0], f.shape) for n, f in self.families.items()},
+                embedding=embedding_spec(files, self.stack),
+            )
 
     @property
     def directory(self) -> Path:
@@ -141,13 +150,42 @@ def read_tensor_directory(path: Path) -> tuple[SafetensorsFiles, dict | None]:
             weight_map = json.loads(index_file.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index_file}: no valid weight_map ({exc})") from exc
-        files = SafetensorsFiles({k: path / v for k, v in weight_map.items()})
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_file}: weight_map is not an object")
+        files = SafetensorsFiles(
+            {k: _shard_path(path, index_file, k, v) for k, v in weight_map.items()}
+        )
     else:
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{path}: no *.safetensors files in the directory")
         files = SafetensorsFiles.from_files(shards)
     return files, config
+
+
+def _shard_path(directory: Path, index_file: Path, key: str, name: object) -> Path:
+    """The shard the index names for ``key``, refused unless it lies inside ``directory``.
+
+    The name must be a relative path without ``..`` whose folders, links resolved, stay inside
+    the checkpoint directory. The shard file itself may be a symbolic link (the Hugging Face
+    cache links each snapshot file to a blob outside the snapshot folder).
+    """
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index_file}: shard of {key!r} is {name!r}, not a file name")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or "\\" in name:
+        raise CheckpointError(
+            f"{index_file}: shard {name!r} of {key!r} is outside the checkpoint directory"
+        )
+    shard = directory / name
+    root = directory.resolve()
+    parent = shard.parent.resolve()
+    if parent != root and root not in parent.parents:
+        raise CheckpointError(
+            f"{index_file}: shard {name!r} of {key!r} resolves to {parent / shard.name}, "
+            f"outside the checkpoint directory {root}"
+        )
+    return shard
 
 
 def _detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo]:
@@ -199,3 +237,90 @@ def _detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInf
                 )
         families[name] = FamilyInfo(name, stack, keys, first.shape, first.dtype)  # type: ignore[arg-type]
     return families
+
+
+# What each family's [out, in] shape must be, in config.json's terms.
+_FAMILY_DIMS: dict[str, tuple[str, str]] = {
+    "self_attn.q_proj": ("num_attention_heads*head_dim", "hidden_size"),
+    "self_attn.k_proj": ("num_key_value_heads*head_dim", "hidden_size"),
+    "self_attn.v_proj": ("num_key_value_heads*head_dim", "hidden_size"),
+    "self_attn.o_proj": ("hidden_size", "num_attention_heads*head_dim"),
+    "mlp.gate_proj": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj": ("hidden_size", "intermediate_size"),
+}
+
+
+def embedding_spec(files: SafetensorsFiles, stack: str) -> tuple[str, tuple[int, ...]] | None:
+    """The decoder's token embedding (key, shape) beside the layer ``stack``, if stored."""
+    key = f"{stack.removesuffix('layers')}embed_tokens.weight"
+    return (key, files.spec(key).shape) if key in files else None
+
+
+def check_config_dims(
+    config_file: Path,
+    config: dict,
+    *,
+    num_layers: int,
+    projections: dict[str, tuple[str, tuple[int, int]]],
+    embedding: tuple[str, tuple[int, ...]] | None,
+) -> None:
+    """Refuse a ``config.json`` whose dimensions disagree with the tensors beside it.
+
+    Checks, where the config states them: ``num_hidden_layers`` against the layers stored,
+    ``hidden_size``, ``intermediate_size``, heads x ``head_dim`` against each projection family's
+    ``[out, in]`` (``projections``: family -> (first key, shape)) and ``vocab_size`` x
+    ``hidden_size`` against the token embedding. A multimodal config's ``text_config`` is the
+    one checked. Raises a one-line :class:`CheckpointError` naming the field and the key.
+    """
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: not a JSON object")
+    text = config.get("text_config")
+    cfg = text if isinstance(text, dict) else config
+    fields = (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+    )
+    dims: dict[str, int] = {}
+    for field in fields:
+        value = cfg.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{config_file}: {field} is {value!r}, not a positive integer")
+        dims[field] = value
+    layers = dims.get("num_hidden_layers")
+    if layers is not None and layers != num_layers:
+        raise CheckpointError(
+            f"{config_file}: num_hidden_layers is {layers} but the tensors hold {num_layers} "
+            f"decoder layers"
+        )
+    if "num_attention_heads" in dims:
+        dims.setdefault("num_key_value_heads", dims["num_attention_heads"])
+        if "head_dim" not in dims and "hidden_size" in dims:
+            dims["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
+    for a, b in (("num_attention_heads", "head_dim"), ("num_key_value_heads", "head_dim")):
+        if a in dims and b in dims:
+            dims[f"{a}*{b}"] = dims[a] * dims[b]
+    for family, (key, shape) in projections.items():
+        for axis, term in zip(("out", "in"), _FAMILY_DIMS[family], strict=True):
+            want = dims.get(term)
+            have = shape[0] if axis == "out" else shape[1]
+            if want is not None and want != have:
+                raise CheckpointError(
+                    f"{config_file}: {term.replace('*', ' x ')} is {want} but {key} has "
+                    f"shape {list(shape)} ({axis} dimension {have})"
+                )
+    if embedding is not None:
+        key, shape = embedding
+        for term, have in zip(("vocab_size", "hidden_size"), shape, strict=False):
+            want = dims.get(term)
+            if want is not None and want != have:
+                raise CheckpointError(
+                    f"{config_file}: {term} is {want} but {key} has shape {list(shape)}"
+                )

@@ -34,7 +34,15 @@ from typing import Any
 import numpy as np
 
 from ._bands import band_of_layers, band_sizes, resolve_blocks
-from ._checkpoint import INDEX_FILE, Checkpoint, open_checkpoint, read_tensor_directory
+from ._checkpoint import (
+    FAMILIES,
+    INDEX_FILE,
+    Checkpoint,
+    check_config_dims,
+    embedding_spec,
+    open_checkpoint,
+    read_tensor_directory,
+)
 from ._decompose import (
     FamilyErrors,
     SVDOptions,
@@ -619,6 +627,18 @@ class ThetaCheckpoint:
         tensors, config = read_tensor_directory(path)
         self = cls(path, manifest, tensors, config)
         self._validate(blocks)
+        if config is not None:
+            check_config_dims(
+                path / "config.json",
+                config,
+                num_layers=manifest["num_layers"],
+                projections={
+                    name: (f"{manifest_file.name} family {name}", tuple(fam["shape"]))
+                    for name, fam in manifest["families"].items()
+                    if name in FAMILIES
+                },
+                embedding=embedding_spec(tensors, manifest["stack"]),
+            )
         return self
 
     def _expected_bands(self, name: str, fam: dict) -> tuple[list[int], int, str | None]:
