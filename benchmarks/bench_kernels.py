@@ -17,9 +17,11 @@ The theta tensors are graph inputs (as weights are in a served model), every wei
 static and the batch dimension symbolic, so one compiled graph per (path, rank) serves both
 batch sizes: 6 compiles, cached by MAX across runs. Both paths are checked against each other
 before timing (the random theta tensors and the float64 reference are those of
-``attnquant_kernels.testing``). Each sample is the mean latency of ``--inner`` back-to-back executions; the paths
-alternate sample by sample (order flipped every repetition), and the table gives medians and
-custom/GEMM (ratio of means; < 1 means the custom op is faster) with a bootstrap 95% CI.
+``attnquant_kernels.testing``). Each sample is the mean latency of ``--inner`` back-to-back executions;
+the paths are timed in adjacent pairs, ABBA order, after a discarded warm-up sample of each, and the
+table gives medians and custom/GEMM (geometric mean of the within-pair ratios, < 1 means the
+custom op is faster) with a bootstrap-over-pairs 95% CI, as ``attnquant bench`` computes it
+(``attnquant_core.paired_ratio``), and the machine's load during each case.
 
 On the CPU by default. ``--device gpu`` builds both graphs on ``DeviceRef.GPU()`` (MAX compiles
 the kernels' GPU variant and its own GPU matmuls), keeps every input on the accelerator, and
@@ -183,7 +185,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repetitions", type=int, default=15, help="samples per path and case")
+    parser.add_argument(
+        "--repetitions", type=int, default=15, help="timed pairs (one sample of each path) per case"
+    )
     parser.add_argument("--inner", type=int, default=10, help="executions averaged per sample")
     parser.add_argument(
         "--device",
@@ -196,7 +200,7 @@ def main() -> None:
     from max.driver import CPU, Buffer
     from max.engine import InferenceSession
 
-    from attnquant_cli._stats import ratio_of_means
+    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
     from attnquant_kernels import check_rank
 
     for r in args.ranks:
@@ -221,7 +225,7 @@ def main() -> None:
     cases, compile_s = [], {}
     print(
         f"{'rank':>4} {'batch':>5} {'custom ms':>10} {'GEMM ms':>10} "
-        f"{'custom/GEMM':>11} {'95% CI':>17}"
+        f"{'custom/GEMM':>11} {'95% CI':>17}  load"
     )
     for rank in args.ranks:
         theta = make_theta(rank)
@@ -249,17 +253,28 @@ def main() -> None:
                             raise SystemExit(message)
                         failures.append(message)
                         print(f"CHECK FAILED: {message}")
-            samples: dict[str, list[float]] = {"custom": [], "gemm": []}
-            for rep in range(args.repetitions):
-                for path in ("custom", "gemm") if rep % 2 == 0 else ("gemm", "custom"):
-                    model, ins = models[path], inputs[path]
+
+            def timer(model, ins: list, xb=xb):
+                def run() -> float:
                     t0 = time.perf_counter()
                     for _ in range(args.inner):
                         model.execute(xb, *ins)
                     if on_gpu:
                         device.synchronize()  # launches are asynchronous
-                    samples[path].append((time.perf_counter() - t0) / args.inner)
-            est = ratio_of_means(samples["custom"], samples["gemm"])
+                    return (time.perf_counter() - t0) / args.inner
+
+                return run
+
+            before = read_load()
+            runs = run_paired(
+                timer(models["custom"], inputs["custom"]),
+                timer(models["gemm"], inputs["gemm"]),
+                pairs=args.repetitions,
+                warmup=1,
+            )
+            load = machine_load(before)
+            samples = {"custom": list(runs.a), "gemm": list(runs.b)}
+            est = paired_ratio(samples["custom"], samples["gemm"])
             med = {p: float(np.median(v)) * 1e3 for p, v in samples.items()}
             cases.append(
                 {
@@ -267,13 +282,17 @@ def main() -> None:
                     "batch": batch,
                     "median_ms": med,
                     "custom_over_gemm": est.to_json(),
+                    "pairs": runs.pairs,
+                    "warmup_runs": runs.warmup,
+                    "order": runs.order_string().replace("A", "C").replace("B", "G"),
+                    "load": load.to_json(),
                     "max_rel_error": errors,
                     "samples_s": samples,
                 }
             )
             print(
                 f"{rank:>4} {batch:>5} {med['custom']:>10.3f} {med['gemm']:>10.3f} "
-                f"{est.ratio:>11.3f} [{est.low:>6.3f}, {est.high:>6.3f}]"
+                f"{est.ratio:>11.3f} [{est.low:>6.3f}, {est.high:>6.3f}]  {load.describe()}"
             )
             if args.out:
                 write_results(args, device, compile_s, cases, failures)
@@ -309,7 +328,10 @@ def write_results(args, device, compile_s: dict, cases: list, failures: list[str
         "machine": machine,
         "repetitions": args.repetitions,
         "inner": args.inner,
-        "ratio": "custom/GEMM latency (ratio of means, bootstrap 95% CI); < 1: custom op faster",
+        "ratio": (
+            "custom/GEMM latency (geometric mean of within-pair ratios, ABBA pairs, bootstrap over"
+            " pairs 95% CI); < 1: custom op faster"
+        ),
         "compile_load_s": compile_s,
         "correctness_failures": failures,
         "cases": cases,

@@ -2,9 +2,11 @@
 
 For every path attnquant-max implements (precompute-outside; the in-graph GEMM and
 fold-in-graph paths, the custom op and NVFP4 where they exist), the demo model is decomposed at
-passthrough and served in-process beside the stock dense model: interleaved repetitions,
-decode and prefill tokens per second, and THETA/BASE with a bootstrap 95% CI. A path that is
-not implemented yet is listed with the reason instead of a number.
+passthrough and served in-process beside the stock dense model, timed as ``attnquant bench`` times
+it (adjacent pairs in ABBA order after a discarded warm-up run of each; THETA/BASE as the
+geometric mean of the within-pair ratios with a bootstrap-over-pairs 95% CI): decode and prefill
+tokens per second, with the machine's load beside each path. A path that is not implemented yet
+is listed with the reason instead of a number.
 
 Run: ``uv run --all-packages --group bench python benchmarks/bench_paths.py`` (or
 ``uv run nox -s bench``).
@@ -31,7 +33,8 @@ PATHS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--repetitions", type=int, default=10)
+    parser.add_argument("--repetitions", type=int, default=10, help="timed pairs per path")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded runs of each model")
     parser.add_argument("--blocks", default="layers", help="G of the theta checkpoint")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument(
@@ -41,7 +44,7 @@ def main() -> None:
 
     from attnquant_cli import demo_model_path
     from attnquant_cli._bench import bench_pair, generate_runner, prompt_ids, summarize
-    from attnquant_core import decompose_checkpoint
+    from attnquant_core import decompose_checkpoint, machine_load, read_load
     from attnquant_max import AttnquantConfig, load_pipeline, require_implemented
 
     demo = demo_model_path()
@@ -65,22 +68,26 @@ def main() -> None:
             continue
         theta = load_pipeline(theta_dir, config=config, **common)
         try:
-            samples = bench_pair(
-                {"base": generate_runner(base), "theta": generate_runner(theta)},
+            before = read_load()
+            runs = bench_pair(
+                generate_runner(base),
+                generate_runner(theta),
                 prompt,
-                repetitions=args.repetitions,
+                pairs=args.repetitions,
                 new_tokens=64,
+                warmup=args.warmup,
             )
+            load = machine_load(before)
         finally:
             theta.close()
-        summary = summarize(samples, base="base", theta="theta", gate=0.8)
+        summary = summarize(runs, gate=0.8, load=load)
         results[name] = {"status": "measured", **summary}
         r = summary["ratios"]["decode_tok_s"]
         p = summary["ratios"]["prefill_tok_s"]
         print(
             f"{name:<40} decode {r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]  "
             f"prefill {p['ratio']:.3f} [{p['ci_low']:.3f}, {p['ci_high']:.3f}]  "
-            f"base {summary['medians']['base']['decode_tok_s']:.0f} tok/s"
+            f"base {summary['medians']['base']['decode_tok_s']:.0f} tok/s; {load.describe()}"
         )
     base.close()
     if args.out:

@@ -636,11 +636,26 @@ def verify(
 @app.command()
 def bench(
     base: Annotated[Path, typer.Argument(help="The stock (dense) checkpoint, or 'demo'.")],
-    theta: Annotated[Path, typer.Argument(help="The checkpoint to compare: theta or dense.")],
+    theta: Annotated[
+        Path,
+        typer.Argument(help="The checkpoint to compare, theta or dense; BASE again for A/A."),
+    ],
     gate: Annotated[
-        float, typer.Option(min=0.0, help="Pass when decode tok/s THETA/BASE is at least this.")
+        float,
+        typer.Option(min=0.0, help="Pass when decode tok/s THETA/BASE is at least this."),
     ] = 0.8,
-    repetitions: Annotated[int, typer.Option(min=2, help="Timed runs of each model.")] = 10,
+    repetitions: Annotated[
+        int,
+        typer.Option(min=6, help="Timed pairs (one run of each model, side by side); at least 6."),
+    ] = 10,
+    warmup: Annotated[
+        int, typer.Option(min=0, help="Runs of each model made first and discarded.")
+    ] = 1,
+    order: Annotated[
+        str,
+        typer.Option(help="Order within pairs: abba (AB, BA, AB, ...) or random (seeded)."),
+    ] = "abba",
+    seed: Annotated[int, typer.Option(help="Seed of the random order and the bootstrap.")] = 0,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (prefill).")] = 128,
     new_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated (decode).")] = 64,
     output: Annotated[Path, typer.Option("--output", "-o", help="JSON results.")] = Path(
@@ -650,36 +665,72 @@ def bench(
     max_length: MaxLength = 512,
     max_batch_size: MaxBatch = 8,
 ) -> int:
-    """Tokens per second of BASE and THETA, interleaved, with THETA/BASE and its 95% CI."""
+    """Tokens per second of BASE and THETA, timed in adjacent pairs, THETA/BASE with its 95% CI.
+
+    The ratio is taken within each pair (ABBA order) and its interval bootstrapped over the
+    pairs, so load that drifts during the run cancels; the machine's load (load average, CPU
+    time stolen) is printed and stored beside the result.
+
+    A/A check: give the same model twice (attnquant bench BASE BASE) to time it against itself;
+    it reports the half-width a real difference must exceed on this machine now, and exits 0
+    when the interval holds 1.0, 1 when it does not.
+
+    Exit status: 0 pass (the whole interval at or above --gate), 1 fail (all of it below),
+    3 inconclusive (the interval straddles the gate), 2 usage error or bad input.
+    """
+    if order not in ("abba", "random"):
+        raise typer.BadParameter(f"--order {order!r}: use 'abba' or 'random'")
     import json
     from dataclasses import replace
 
+    from attnquant_core import machine_load, read_load
     from attnquant_max import AttnquantConfig, load_pipeline, plan_serving
 
     from ._analyze import write_atomic
-    from ._bench import bench_pair, generate_runner, prompt_ids, summarize
+    from ._bench import (
+        bench_pair,
+        bench_table,
+        exit_code,
+        generate_runner,
+        prompt_ids,
+        summarize,
+        verdict_line,
+    )
 
     base, theta = _model(str(base)), _model(str(theta))
-    console.print(f"gate: decode tok/s THETA/BASE >= {gate} (set before the run)", highlight=False)
+    aa = base.resolve() == theta.resolve()
+    if aa:
+        console.print("A/A check: BASE against itself (the gate is not applied)", highlight=False)
+    else:
+        console.print(
+            f"gate: decode tok/s THETA/BASE >= {gate} (set before the run)", highlight=False
+        )
     config = AttnquantConfig.from_env()
-    console.print(plan_serving(theta, config).describe(), highlight=False, soft_wrap=True)
+    if not aa:
+        console.print(plan_serving(theta, config).describe(), highlight=False, soft_wrap=True)
     common = {"max_length": max_length, "max_batch_size": max_batch_size, "devices": devices}
     # The base is the stock model: served as it is, whatever ATTNQUANT_BLOCKS says.
     base_model = load_pipeline(base, config=replace(config, blocks=None), **common)
-    theta_model = load_pipeline(theta, config=config, **common)
+    theta_config = replace(config, blocks=None) if aa else config
+    theta_model = load_pipeline(theta, config=theta_config, **common)
     try:
         prompt = prompt_ids(base_model.encode, prompt_tokens)
-
-        samples = bench_pair(
-            {"base": generate_runner(base_model), "theta": generate_runner(theta_model)},
+        before = read_load()
+        runs = bench_pair(
+            generate_runner(base_model),
+            generate_runner(theta_model),
             prompt,
-            repetitions=repetitions,
+            pairs=repetitions,
             new_tokens=new_tokens,
+            warmup=warmup,
+            order=order,  # type: ignore[arg-type]
+            seed=seed,
         )
+        load = machine_load(before)
     finally:
         base_model.close()
         theta_model.close()
-    result = summarize(samples, base="base", theta="theta", gate=gate)
+    result = summarize(runs, gate=None if aa else gate, load=load, seed=seed)
     result.update(
         base=str(base),
         theta=str(theta),
@@ -688,30 +739,15 @@ def bench(
         new_tokens=new_tokens,
         devices=devices,
     )
-    table = Table(title=f"bench {theta} against {base} ({repetitions} interleaved runs each)")
-    for col in ("", "decode tok/s", "prefill tok/s", "TTFT ms"):
-        table.add_column(col, justify="right")
-    for name in ("base", "theta"):
-        m = result["medians"][name]
-        table.add_row(
-            name,
-            f"{m['decode_tok_s']:.1f}",
-            f"{m['prefill_tok_s']:.1f}",
-            f"{m['ttft_s'] * 1e3:.1f}",
-        )
-    r = result["ratios"]
-    table.add_row(
-        "theta/base",
-        *(
-            f"{r[k]['ratio']:.3f} [{r[k]['ci_low']:.3f}, {r[k]['ci_high']:.3f}]"
-            for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")
-        ),
+    title = (
+        f"bench {theta} against {base} ({repetitions} pairs in {order.upper()} order, "
+        f"{warmup} warm-up run(s) of each discarded)"
     )
-    out.print_table(table)
-    out.print(f"gate {gate}: {result['verdict']}")
+    out.print_table(bench_table(result, title=title, load=load))
+    out.print(verdict_line(result), highlight=False)
     write_atomic(output, lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     console.print(f"wrote {output}", highlight=False)
-    return 0 if result["passed"] else 1
+    return exit_code(result)
 
 
 def cli(args: Sequence[str] | None = None) -> int:
