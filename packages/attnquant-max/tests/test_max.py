@@ -29,7 +29,7 @@ from attnquant_max import (
     serve_env,
 )
 
-from .conftest import MAX_BATCH_SIZE, MAX_LENGTH, load_tiny
+from .conftest import LAYERS, MAX_BATCH_SIZE, MAX_LENGTH, PROJECTIONS, load_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,8 @@ def test_theta_without_manifest_is_refused(theta_without_manifest: Path) -> None
     with pytest.raises(WeightKeyError) as info:
         _load(theta_without_manifest).close()
     assert "no attnquant.json" in str(info.value)
-    assert "56 theta key(s)" in str(info.value)
+    # At passthrough: theta_s, theta_U, theta_V per layer and one W0 per layer (band).
+    assert f"{4 * len(PROJECTIONS) * LAYERS} theta key(s)" in str(info.value)
     assert "attnquant.shared.mlp.down_proj.0.W0" in str(info.value)
 
 

@@ -25,7 +25,7 @@ from attnquant_max._nvfp4 import (
 from attnquant_max._nvfp4_layers import E2M1_PAIR_TABLE
 from attnquant_max._weights import plan_serving
 
-from .conftest import PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
+from .conftest import LAYERS, PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
 
 NVFP4 = AttnquantConfig(quant="nvfp4")
 PROMPTS = ["hello world", "The quick brown fox"]
@@ -80,20 +80,20 @@ def test_quantized_state_layout(tiny_dense: Path) -> None:
         np.testing.assert_array_equal(packed, q.weight)
         np.testing.assert_array_equal(scale, q.weight_scale.view(np.uint8))
     extra = set(state) - set(dense)
-    assert len(extra) == 2 * len(PROJECTIONS) * 2  # two scales per projection, two layers
+    assert len(extra) == 2 * len(PROJECTIONS) * LAYERS  # two scales per projection and layer
 
 
 def test_quantized_state_refuses_an_inner_size_not_a_multiple_of_16(tmp_path: Path) -> None:
     tensors = tiny_llama_tensors()
     # A 1-row-short MLP: down_proj's inner size 120 is not a multiple of 16.
-    for i in range(2):
+    for i in range(LAYERS):
         p = f"model.layers.{i}.mlp."
         tensors[p + "gate_proj.weight"] = tensors[p + "gate_proj.weight"][:120]
         tensors[p + "up_proj.weight"] = tensors[p + "up_proj.weight"][:120]
         tensors[p + "down_proj.weight"] = np.ascontiguousarray(
             tensors[p + "down_proj.weight"][:, :120]
         )
-    path = write_tiny_llama(tmp_path / "odd", tensors)
+    path = write_tiny_llama(tmp_path / "odd", tensors, intermediate_size=120)
     with pytest.raises(NVFP4Error, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*16"):
         dict(plan_serving(path, NVFP4).quantized_state())
 
@@ -184,9 +184,9 @@ def test_served_nvfp4_is_the_stock_model_on_dequantized_weights(
 def test_nvfp4_model_holds_packed_bytes(nvfp4_model: LoadedModel, dense_model: LoadedModel) -> None:
     nvfp4_bytes = nvfp4_model.model.pipeline._pipeline_model.weight_bytes
     dense_bytes = dense_model.model.pipeline._pipeline_model.weight_bytes
-    elements = 2 * sum(o * i for o, i in PROJECTIONS.values())  # two layers
+    elements = LAYERS * sum(o * i for o, i in PROJECTIONS.values())
     # float32 (4 B) -> half a byte per code + one E4M3 byte per 16 + one float32 per tensor.
-    packed = elements // 2 + elements // BLOCK_SIZE + 4 * 2 * len(PROJECTIONS)
+    packed = elements // 2 + elements // BLOCK_SIZE + 4 * LAYERS * len(PROJECTIONS)
     assert dense_bytes - nvfp4_bytes == 4 * elements - packed
     saved = tiny_llama_tensors()
     assert dense_bytes == sum(a.nbytes for a in saved.values())

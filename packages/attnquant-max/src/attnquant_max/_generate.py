@@ -264,9 +264,11 @@ def logit_parity(
     here one at a time, or a :class:`LoadedModel` (used and left open). Prompts
     are text (encoded with the base tokenizer) or token ids.
 
-    A base loaded here ignores ``ATTNQUANT_BLOCKS`` and ``ATTNQUANT_QUANT``, so a
-    dense base is served as it is, unquantized; the theta side follows the
-    ``ATTNQUANT_*`` variables.
+    A base loaded here ignores every ``ATTNQUANT_*`` variable: it is served on the
+    stock path (precompute-outside: a dense base as it is, a theta base rebuilt
+    once at load, unquantized), so ``logit_parity(B, B)`` under in-graph or
+    NVFP4 variables checks that execution path against the stock graph on the
+    same checkpoint. The theta side follows the ``ATTNQUANT_*`` variables.
     """
     config = AttnquantConfig.from_env()
     common: dict[str, Any] = {
@@ -275,7 +277,7 @@ def logit_parity(
         "devices": devices,
         "quantization_encoding": quantization_encoding,
     }
-    with _loaded(base_path, config=replace(config, blocks=None, quant=None), **common) as base:
+    with _loaded(base_path, config=AttnquantConfig(), **common) as base:
         base_bytes = base.weight_bytes
         encoded = [base.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         continuations = [greedy_generate(base, ids, max_new_tokens) for ids in encoded]

@@ -1,0 +1,144 @@
+"""The tiny Llama of attnquant's MAX tests: one fixed shape, so one compile per execution path.
+
+Not imported by the library itself. attnquant-max's tests and the repository's integration tests
+(``attnquant verify`` on the tiny model) use the same shape, weights and serving sizes, so MAX's
+cache (``~/.cache/modular``, keyed by the graph, not the weights' values) compiles each graph
+once for the whole CI run: change nothing here without need, every change costs a cold compile
+of every path (minutes each on two cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+__all__ = [
+    "HEADS",
+    "HEAD_DIM",
+    "HIDDEN",
+    "INTERMEDIATE",
+    "KV_HEADS",
+    "LAYERS",
+    "MAX_BATCH_SIZE",
+    "MAX_LENGTH",
+    "PROJECTIONS",
+    "TINY_BANDED",
+    "TINY_SERVING",
+    "VOCAB",
+    "load_tiny",
+    "tiny_llama_tensors",
+    "write_tiny_llama",
+    "write_tokenizer",
+]
+
+# The one model shape of the test suites. Three layers, so that a bundle of two bands (layers
+# 0-1 sharing a W0, layer 2 alone) exercises shared and single-layer bands in one graph.
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 64, 3, 4, 2, 16, 128, 272
+# The one serving size: part of every compiled graph.
+MAX_LENGTH, MAX_BATCH_SIZE = 64, 4
+TINY_SERVING: dict[str, int] = {"max_length": MAX_LENGTH, "max_batch_size": MAX_BATCH_SIZE}
+# The bundle every in-graph path serves as a whole model: two bands over three layers (a shared
+# W0 and a single-layer one) and rank 16, the largest the k/v shapes [32, 64] allow being 32.
+TINY_BANDED: dict[str, int] = {"blocks": 2, "rank": 16}
+SPECIALS = ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(VOCAB - 258)]
+
+PROJECTIONS = {
+    "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN),
+    "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+    "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
+    "mlp.up_proj": (INTERMEDIATE, HIDDEN),
+    "mlp.down_proj": (HIDDEN, INTERMEDIATE),
+}
+
+
+def tiny_llama_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights of the tiny Llama (Hugging Face keys), fixed by ``seed``."""
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "model.embed_tokens.weight": rng.normal(0.0, 1.0, (VOCAB, HIDDEN)),
+        "model.norm.weight": np.ones(HIDDEN),
+        "lm_head.weight": rng.normal(0.0, 0.3, (VOCAB, HIDDEN)),
+    }
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}."
+        tensors[prefix + "input_layernorm.weight"] = np.ones(HIDDEN)
+        tensors[prefix + "post_attention_layernorm.weight"] = np.ones(HIDDEN)
+        for family, shape in PROJECTIONS.items():
+            tensors[prefix + family + ".weight"] = rng.normal(0.0, shape[1] ** -0.5, shape)
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A byte-level BPE with no merges (one token per byte), padded with specials to VOCAB."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": MAX_LENGTH,
+            }
+        )
+    )
+
+
+def write_tiny_llama(
+    directory: Path, tensors: dict[str, np.ndarray] | None = None, **config_fields: Any
+) -> Path:
+    """Write the tiny Llama (``config.json``, weights, tokenizer) to ``directory``;
+    ``config_fields`` override fields of its ``config.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = tiny_llama_tensors() if tensors is None else tensors
+    safetensors.numpy.save_file(tensors, directory / "model.safetensors")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "mlp_bias": False,
+        **config_fields,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    write_tokenizer(directory)
+    return directory
+
+
+def load_tiny(path: Path, config: Any = None) -> Any:
+    """``load_pipeline`` of a tiny checkpoint at the suites' one serving size, offline."""
+    from ._config import AttnquantConfig
+    from ._generate import load_pipeline
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
+    return load_pipeline(
+        path, **TINY_SERVING, config=AttnquantConfig() if config is None else config
+    )
