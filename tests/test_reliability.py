@@ -7,8 +7,13 @@ Each test reproduces one fault of issue 16; each failed on the code before the f
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
 import struct
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +135,273 @@ def test_header_offsets_that_do_not_fit_are_refused(tmp_path, capsys, offsets, s
     assert cli(["decompose", str(src), "-o", str(out), "--rank", "2"]) == 2
     _one_line_error(capsys, "zz-extra.safetensors")
     assert not out.exists()
+
+
+# -- serving: no orphaned server, busy port, load ---------------------------------------------
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> live child pids, from /proc (zombies count as gone)."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state != "Z":
+            tree.setdefault(int(ppid), []).append(int(entry.name))
+    return tree
+
+
+def _descendants(pid: int) -> set[int]:
+    tree, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """The pids of ``pids`` still running (not gone, not zombies)."""
+    left = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            left.add(pid)
+    return left
+
+
+def _wait_gone(pids: set[int], within_s: float = 60.0) -> set[int]:
+    """Poll until every pid of ``pids`` has ended or ``within_s`` passed; what is left."""
+    deadline = time.monotonic() + within_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _alive(pids)
+
+
+def _port_of(server) -> int:
+    return int(server.url.rsplit(":", 1)[1].split("/")[0])
+
+
+def _port_is_free(port: int) -> bool:
+    from attnquant_max._serve import PortInUseError, check_port_free
+
+    try:
+        check_port_free("127.0.0.1", port)
+    except PortInUseError:
+        return False
+    return True
+
+
+pytest_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@pytest.mark.slow
+@pytest_linux
+def test_kill_9_of_attnquant_serve_leaves_no_server(demo, serve_model, tmp_path):
+    """The served process group dies with its supervisor, whatever kills the supervisor."""
+    with serve_model(demo, tmp_path / "serve.log") as server:
+        tree = _descendants(server.proc.pid)
+        assert len(tree) >= 2  # max serve and at least one worker
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        left = _wait_gone(tree)
+        assert not left, f"left running after kill -9 of attnquant serve: {sorted(left)}"
+        assert _wait_port_free(_port_of(server))
+
+
+def _wait_port_free(port: int, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not _port_is_free(port) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _port_is_free(port)
+
+
+@pytest.mark.slow
+@pytest_linux
+def test_kill_9_of_max_serve_takes_its_workers(demo, serve_model, tmp_path):
+    """max serve SIGKILLed: attnquant serve ends what it left (its model worker) and exits."""
+    with serve_model(demo, tmp_path / "serve.log") as server:
+        tree = _descendants(server.proc.pid)
+        max_serve = next(p for p in tree if b"\0serve\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(max_serve, signal.SIGKILL)
+        server.proc.wait(timeout=120)
+        left = _wait_gone(tree)
+        assert not left, f"left running after kill -9 of max serve: {sorted(left)}"
+
+
+def test_busy_port_is_one_line_naming_it(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert cli(["serve", "--port", str(port)]) == 2
+    _one_line_error(capsys, f"port {port}", "already in use")
+
+
+# Requests a client may send by mistake; each must get a 4xx, never a 5xx or a dropped socket.
+MALFORMED: tuple[tuple[str, bytes], ...] = (
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b'{"prompt": "def "}'),  # no model
+    ("/v1/completions", b'{"model": "m", "prompt": "def ", "max_tokens": -3}'),
+    ("/v1/completions", b'{"model": "m", "prompt": 17}'),
+    ("/v1/chat/completions", b'{"model": "m", "messages": "not a list"}'),
+    ("/v1/nowhere", b"{}"),
+)
+
+
+def _post(port: int, path: str, body: bytes) -> int:
+    """One request on a fresh connection; the HTTP status (raises on a dropped connection)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def run_load(port: int, model: str, *, clients: int, seconds: float, malformed_every: int = 4):
+    """``clients`` threads send completions (every ``malformed_every``-th one malformed) for
+    ``seconds``; returns (statuses of good requests, statuses of bad ones, transport errors)."""
+    import threading
+
+    good: list[int] = []
+    bad: list[int] = []
+    errors: list[str] = []
+    stop_at = time.monotonic() + seconds
+    valid = json.dumps(
+        {"model": model, "prompt": "def ", "max_tokens": 8, "temperature": 0.0}
+    ).encode()
+
+    def client(index: int) -> None:
+        n = index
+        while time.monotonic() < stop_at:
+            n += 1
+            try:
+                if n % malformed_every == 0:
+                    path, body = MALFORMED[n % len(MALFORMED)]
+                    bad.append(_post(port, path, body))
+                else:
+                    good.append(_post(port, "/v1/completions", valid))
+            except OSError as exc:  # connection refused, reset, timed out
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return good, bad, errors
+
+
+@pytest.mark.slow
+@pytest_linux
+def test_load_with_malformed_requests_then_sigterm(demo, serve_model, tmp_path):
+    """16 clients for 30 s, a quarter malformed: no 5xx, no dropped connection, the server still
+    answers, and SIGTERM stops it cleanly with nothing left running."""
+    log = tmp_path / "serve.log"
+    with serve_model(demo, log) as server:
+        port = _port_of(server)
+        tree = _descendants(server.proc.pid)
+        good, bad, errors = run_load(port, server.model, clients=16, seconds=30)
+        assert not errors, errors[:5]
+        assert good and set(good) == {200}
+        assert bad and all(400 <= s < 500 for s in bad), sorted(set(bad))
+        valid = json.dumps({"model": server.model, "prompt": "def ", "max_tokens": 4}).encode()
+        assert _post(port, "/v1/completions", valid) == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=120) == 0
+    assert "server stopped" in log.read_text()
+    assert not _wait_gone(tree)
+
+
+# -- integrity: every tensor attnquant writes is checked when read -----------------------------
+
+
+def _flip_bit(path: Path, key: str, byte: int = 5) -> None:
+    """Flip one bit of ``key``'s data in the safetensors file ``path``."""
+    raw = _raw_header(path)
+    begin = json.loads(raw)[key]["data_offsets"][0]
+    with open(path, "r+b") as f:
+        f.seek(8 + len(raw) + begin + byte)
+        value = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([value ^ 0x10]))
+
+
+@pytest.fixture
+def theta(demo, tmp_path) -> Path:
+    out = tmp_path / "theta"
+    assert cli(["decompose", str(demo), "-o", str(out), "--blocks", "2", "--rank", "4"]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.layers.3.self_attn.q_proj.theta_U",
+        "attnquant.shared.mlp.down_proj.1.W0",
+        "model.embed_tokens.weight",  # copied from the source
+    ],
+)
+def test_flipped_bit_is_refused_at_load_and_named_by_check(theta, capsys, monkeypatch, key):
+    from attnquant_core import IntegrityError, ThetaCheckpoint
+
+    assert cli(["check", str(theta)]) == 0
+    assert ": ok" in capsys.readouterr().out
+    _flip_bit(theta / "model.safetensors", key)
+    assert cli(["check", str(theta)]) == 1
+    report = capsys.readouterr().out
+    assert f"{key!r} does not match its recorded sha256 digest" in report
+    assert report.count("BAD ") == 1
+    with pytest.raises(IntegrityError, match=f"model.safetensors: tensor '{key}' does not match"):
+        dict(ThetaCheckpoint.open(theta).rebuilt_state())
+    monkeypatch.setenv("ATTNQUANT_VERIFY_DIGESTS", "0")  # the way to load it anyway
+    assert len(dict(ThetaCheckpoint.open(theta).rebuilt_state())) > 0
+
+
+def test_serve_refuses_a_corrupt_checkpoint_before_starting(theta, capsys):
+    _flip_bit(theta / "model.safetensors", "model.layers.0.mlp.up_proj.theta_V")
+    assert cli(["serve", str(theta), "--port", "1"]) == 2  # refused before any bind
+    _one_line_error(capsys, "model.safetensors", "model.layers.0.mlp.up_proj.theta_V")
+
+
+def test_every_written_tensor_has_a_digest(theta, tmp_path):
+    from attnquant_core import DIGESTS_FILE
+    from attnquant_core._safetensors_io import SafetensorsFiles
+
+    recorded = json.loads((theta / DIGESTS_FILE).read_text())["tensors"]
+    stored = SafetensorsFiles.from_files([theta / "model.safetensors"]).keys()
+    assert sorted(recorded) == stored
+
+
+def test_checkpoint_without_digests_stays_readable(theta, capsys):
+    """Checkpoints written before the digests (attnquant 0.2) load as before, unverified."""
+    from attnquant_core import DIGESTS_FILE, ThetaCheckpoint
+
+    (theta / DIGESTS_FILE).unlink()
+    assert len(dict(ThetaCheckpoint.open(theta).rebuilt_state())) > 0
+    assert cli(["check", str(theta)]) == 0
+    assert "not verifiable" in capsys.readouterr().out
+
+
+def test_tensor_added_after_writing_is_refused(theta, capsys):
+    from attnquant_core import DIGESTS_FILE
+
+    record = json.loads((theta / DIGESTS_FILE).read_text())
+    del record["tensors"]["lm_head.weight"]
+    (theta / DIGESTS_FILE).write_text(json.dumps(record))
+    assert cli(["check", str(theta)]) == 1
+    assert "'lm_head.weight' has no digest" in capsys.readouterr().out

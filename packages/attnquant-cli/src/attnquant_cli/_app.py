@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,12 +31,14 @@ from attnquant_core import (
     decompose_checkpoint,
 )
 
+from ._check import check
 from ._console import Output
 from ._demo import demo_model_path
 from ._prompts import VERIFY_PROMPTS
 
 if TYPE_CHECKING:
     from attnquant_core import BudgetReport
+    from attnquant_max._serve import ServerProcess
 
 __all__ = ["app", "cli", "main"]
 
@@ -50,6 +51,7 @@ app = typer.Typer(
 )
 console = Output(stderr=True)
 out = Output()
+app.command()(check)  # attnquant check CKPT: tensor digests (_check.py)
 
 JsonFlag = Annotated[
     bool,
@@ -504,11 +506,15 @@ def serve(
     ] = None,
 ) -> int:
     """Serve MODEL behind an OpenAI-compatible endpoint through MAX (Ctrl-C stops it)."""
+    from attnquant_core import require_intact
     from attnquant_max import plan_serving, serve_command, serve_env
+    from attnquant_max._serve import ServerProcess, check_port_free
 
     path = _model(model)
     env = serve_env()  # validates every ATTNQUANT_* variable before anything starts
     plan = plan_serving(path)  # validates a theta checkpoint's keys and bands
+    check_port_free(host, port)  # one line now, not a MAX traceback after the model loads
+    require_intact(path)  # every tensor against its digest (ATTNQUANT_VERIFY_DIGESTS=0: skip)
     name = served_model_name or ("demo" if model in (None, "demo") else path.name)
     console.print(plan.describe(), highlight=False, soft_wrap=True)
     console.print(
@@ -523,23 +529,25 @@ def serve(
         max_batch_size=max_batch_size,
         served_model_name=name,
     )
-    proc = subprocess.Popen(argv, env=env)
+
+    def terminated(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM shuts down as cleanly as Ctrl-C
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        return _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    """Stop the server: SIGINT (what Ctrl-C sends), then SIGTERM, then SIGKILL."""
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            break
-        proc.send_signal(sig)
+        # Its own process group, ended with this process however it dies (kill -9 included).
+        server = ServerProcess(argv, env)
         try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
+            return server.wait()
+        except KeyboardInterrupt:
+            return _stop(server)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(server: ServerProcess) -> int:
+    """Stop the server: SIGINT (what Ctrl-C sends), then SIGTERM, then SIGKILL to its group."""
+    server.stop()
     console.print("attnquant: server stopped")
     return 0
 

@@ -76,6 +76,7 @@ from ._errors import (
     BandMismatchError,
     CheckpointError,
     DecompositionError,
+    IntegrityError,
     ThetaFormatError,
 )
 from ._format import (
@@ -94,7 +95,8 @@ from ._format import (
     theta_key,
 )
 from ._forms import LowRankFamily, SharedBasisFamily
-from ._safetensors_io import dtype_from_name, dtype_name
+from ._integrity import IntegrityReport, check_checkpoint, require_intact
+from ._safetensors_io import DIGESTS_FILE, dtype_from_name, dtype_name
 from ._svd import LowRank, compute_dtype, randomized_svd, truncated_svd
 from ._theta import FORMS, FamilyTheta, LayerTheta, ThetaFamily, ThetaModel, apply, reconstruct
 
@@ -170,6 +172,11 @@ __all__ = [
     "save_theta",
     "shared_key",
     "theta_key",
+    # integrity: every tensor's digest, recorded at write, checked at read
+    "DIGESTS_FILE",
+    "IntegrityReport",
+    "check_checkpoint",
+    "require_intact",
     # analysis
     "FamilyReport",
     "ModelReport",
@@ -199,6 +206,7 @@ __all__ = [
     "BandMismatchError",
     "CheckpointError",
     "DecompositionError",
+    "IntegrityError",
     "ThetaFormatError",
     "__version__",
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ._errors import CheckpointError
-from ._safetensors_io import SafetensorsFiles, TensorSpec, is_float
+from ._safetensors_io import DIGESTS_FILE, SafetensorsFiles, TensorSpec, is_float, read_digests
 
 __all__ = [
     "FAMILIES",
@@ -137,6 +137,7 @@ def read_tensor_directory(path: Path) -> tuple[SafetensorsFiles, dict | None]:
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: expected a directory or a .safetensors file")
         return SafetensorsFiles.from_files([path]), None
+    digests = {"digests": read_digests(path), "digests_file": path / DIGESTS_FILE}
     config = None
     config_file = path / "config.json"
     if config_file.exists():
@@ -153,13 +154,13 @@ def read_tensor_directory(path: Path) -> tuple[SafetensorsFiles, dict | None]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_file}: weight_map is not an object")
         files = SafetensorsFiles(
-            {k: _shard_path(path, index_file, k, v) for k, v in weight_map.items()}
+            {k: _shard_path(path, index_file, k, v) for k, v in weight_map.items()}, **digests
         )
     else:
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{path}: no *.safetensors files in the directory")
-        files = SafetensorsFiles.from_files(shards)
+        files = SafetensorsFiles.from_files(shards, **digests)
     return files, config
 
 

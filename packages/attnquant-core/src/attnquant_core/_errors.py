@@ -7,6 +7,7 @@ __all__ = [
     "BandMismatchError",
     "CheckpointError",
     "DecompositionError",
+    "IntegrityError",
     "ThetaFormatError",
 ]
 
@@ -17,6 +18,10 @@ class AttnquantError(Exception):
 
 class CheckpointError(AttnquantError, ValueError):
     """A checkpoint on disk is missing, truncated, inconsistent or not understood."""
+
+
+class IntegrityError(CheckpointError):
+    """A tensor's bytes do not match the digest recorded when it was written."""
 
 
 class ThetaFormatError(CheckpointError):

@@ -54,6 +54,7 @@ from ._decompose import (
 from ._errors import AttnquantError, BandMismatchError, DecompositionError, ThetaFormatError
 from ._forms import SIDES, LowRankFamily, SharedBasisFamily
 from ._safetensors_io import (
+    DIGESTS_FILE,
     PlannedWriter,
     SafetensorsFiles,
     TensorSpec,
@@ -158,7 +159,7 @@ def copy_side_files(src_dir: Path | None, dst: Path) -> None:
         if (
             item.is_file()
             and item.suffix != ".safetensors"
-            and item.name not in {INDEX_FILE, MANIFEST_FILE}
+            and item.name not in {INDEX_FILE, MANIFEST_FILE, DIGESTS_FILE}
             and not item.name.startswith(".")
         ):
             shutil.copy2(item, dst / item.name)

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from attnquant_core import AttnquantError
+
 from ._config import AttnquantConfig, require_implemented
 
-__all__ = ["architectures_path", "max_entrypoint", "serve_command", "serve_env"]
+__all__ = [
+    "PortInUseError",
+    "ServerProcess",
+    "architectures_path",
+    "check_port_free",
+    "max_entrypoint",
+    "serve_command",
+    "serve_env",
+]
 
 
 def architectures_path() -> Path:
@@ -120,3 +136,164 @@ def serve_env(
         out[f"ATTNQUANT_{name.upper()}"] = str(value)
     require_implemented(AttnquantConfig.from_env(out))
     return out
+
+
+# -- running the server ----------------------------------------------------------------------
+
+
+class PortInUseError(AttnquantError, OSError):
+    """The address ``max serve`` would listen on is already taken."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`PortInUseError` naming ``host:port`` when a server already listens there.
+
+    Binds the address as uvicorn will (``SO_REUSEADDR``, so a port in TIME_WAIT is free) and
+    lets it go at once; checked before MAX starts, which otherwise fails minutes later, after
+    loading the model.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise PortInUseError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    f"port {port} on {host} is already in use (another server?); stop it or "
+                    f"pass --port"
+                ) from None
+            raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+# The watchdog: a separate tiny process that holds the read end of a pipe only the supervisor
+# can write. Whatever ends the supervisor (SIGKILL included), the kernel closes its end; the
+# watchdog then reads EOF and ends the server's whole process group (max serve and the model
+# and metrics workers it spawns), SIGTERM first, SIGKILL after a grace period. A clean exit
+# writes "stop" first, so the watchdog leaves a group the supervisor already reaped.
+_WATCHDOG = """
+import os, signal, sys, time
+pgid, grace = int(sys.argv[1]), float(sys.argv[2])
+line = sys.stdin.readline()
+if line.strip() != "stop":
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            os.killpg(pgid, 0)
+            time.sleep(0.1)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """preexec_fn: SIGTERM this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class ServerProcess:
+    """``max serve`` run as a supervised process group that cannot outlive its supervisor.
+
+    The server gets a session (and process group) of its own, so everything it spawns can be
+    ended together; a parent-death signal (Linux) and a watchdog process end that group when
+    this process dies in any way, ``kill -9`` included. :meth:`stop` shuts it down gracefully:
+    SIGINT (what Ctrl-C sends), then SIGTERM, then SIGKILL to the whole group.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        grace_s: float = 10.0,
+    ) -> None:
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=None if env is None else dict(env),
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self.pgid = self.proc.pid  # a session leader's group id is its pid
+        read_end, self._alive = os.pipe()
+        try:
+            self.watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(self.pgid), str(grace_s)],
+                stdin=read_end,
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(self._alive)
+            self._kill_group(signal.SIGKILL)
+            self.proc.wait()
+            raise
+        finally:
+            os.close(read_end)
+
+    @property
+    def pid(self) -> int:
+        """The process id of ``max serve``."""
+        return self.proc.pid
+
+    def wait(self) -> int:
+        """Wait until the server exits, end whatever it left in its group, return its code."""
+        code = self.proc.wait()
+        self._reap()
+        return code
+
+    def stop(self, *, waits: Sequence[float] = (30.0, 10.0, 10.0)) -> int:
+        """Shut down: SIGINT, then SIGTERM, then SIGKILL to the group; returns the exit code."""
+        for sig, wait in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), waits, strict=True):
+            if self.proc.poll() is not None:
+                break
+            if sig == signal.SIGKILL:
+                self._kill_group(sig)
+            else:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+            except KeyboardInterrupt:  # a second Ctrl-C: on to the next signal at once
+                continue
+        self._reap()
+        return self.proc.returncode if self.proc.returncode is not None else -signal.SIGKILL
+
+    def _kill_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    def _reap(self) -> None:
+        """Once ``max serve`` is gone: SIGKILL what it left in its group, dismiss the watchdog."""
+        # Workers normally exit with their server; one that did not (max serve itself
+        # SIGKILLed, say) still holds the model and may hold the port.
+        deadline = time.monotonic() + 5.0
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._group_alive():
+            self._kill_group(signal.SIGKILL)
+        if self._alive >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._alive, b"stop\n")
+            os.close(self._alive)
+            self._alive = -1
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.watchdog.wait(timeout=5)
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
