@@ -24,7 +24,8 @@ from attnquant_core.testing import make_weights, write_checkpoint
 
 def _one_line_error(capsys, *needles: str) -> str:
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: "), err
+    assert "error: " in err, err
+    err = err[err.index("error: ") :]  # after any progress bar
     assert len(err.splitlines()) == 1, err
     for needle in needles:
         assert needle in err, err
@@ -405,3 +406,89 @@ def test_tensor_added_after_writing_is_refused(theta, capsys):
     (theta / DIGESTS_FILE).write_text(json.dumps(record))
     assert cli(["check", str(theta)]) == 1
     assert "'lm_head.weight' has no digest" in capsys.readouterr().out
+
+
+# -- writes survive faults: full disk, kill, two writers ------------------------------------------
+
+
+def _strays(parent: Path, name: str) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+def _enospc_after(monkeypatch, calls: int) -> None:
+    """Make every ``os.pwrite`` after the first ``calls`` fail as a full disk does."""
+    import errno
+
+    real, count = os.pwrite, [0]
+
+    def pwrite(fd, data, offset):
+        count[0] += 1
+        if count[0] > calls:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+
+@pytest.mark.parametrize("command", ["decompose", "export"])
+def test_full_disk_leaves_nothing_and_says_so_in_one_line(
+    demo, tmp_path, capsys, monkeypatch, command
+):
+    out = tmp_path / "out"
+    _enospc_after(monkeypatch, 5)
+    args = ["--rank", "2"] if command == "decompose" else ["--format", "nvfp4"]
+    assert cli([command, str(demo), "-o", str(out), *args]) == 2
+    _one_line_error(capsys, str(out), "No space left on device", "model.safetensors")
+    assert not out.exists()
+    assert _strays(tmp_path, "out") == []
+
+
+_KILLED_RUN = """
+import os, signal, sys
+from pathlib import Path
+from attnquant_cli import demo_model_path
+command, out, at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+seen = [0]
+def progress(event):
+    seen[0] += 1
+    if seen[0] == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+if command == "decompose":
+    from attnquant_core import decompose_checkpoint
+    decompose_checkpoint(demo_model_path(), out, rank=2, progress=progress)
+else:
+    from attnquant_max import export_nvfp4
+    export_nvfp4(demo_model_path(), out, progress=progress)
+"""
+
+
+@pytest.mark.parametrize(("command", "at"), [("decompose", 1), ("decompose", 30), ("export", 20)])
+def test_killed_write_leaves_nothing_the_next_run_trips_over(tmp_path, capsys, command, at):
+    import subprocess
+
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_RUN, command, str(out), str(at)])
+    assert killed.returncode == -signal.SIGKILL
+    assert not out.exists()  # never a partial output under the real name
+    args = ["--rank", "2"] if command == "decompose" else ["--format", "nvfp4"]
+    assert cli([command, "demo", "-o", str(out), *args]) == 0
+    assert _strays(tmp_path, "out") == []  # the killed run's temporary directory is gone too
+    assert cli(["check", str(out)]) == 0
+
+
+def test_two_runs_writing_one_output_give_one_result_and_one_error(demo, tmp_path, capsys):
+    from attnquant_core import ThetaCheckpoint, decompose_checkpoint
+
+    out = tmp_path / "theta"
+    second: list[int] = []
+
+    def progress(event) -> None:  # the second run starts while the first is writing
+        if not second:
+            second.append(cli(["decompose", str(demo), "-o", str(out), "--rank", "4"]))
+
+    decompose_checkpoint(demo, out, rank=2, progress=progress)
+    assert second == [2]
+    _one_line_error(capsys, str(out), "another attnquant run is writing it")
+    assert ThetaCheckpoint.open(out).rank == 2  # the first run's result, whole
+    assert cli(["check", str(out)]) == 0
+    assert _strays(tmp_path, "theta") == []

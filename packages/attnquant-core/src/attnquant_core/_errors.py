@@ -8,6 +8,8 @@ __all__ = [
     "CheckpointError",
     "DecompositionError",
     "IntegrityError",
+    "OutputBusyError",
+    "OutputError",
     "ThetaFormatError",
 ]
 
@@ -34,3 +36,11 @@ class BandMismatchError(ThetaFormatError):
 
 class DecompositionError(AttnquantError, ValueError):
     """The arguments of a decomposition cannot be satisfied (rank, blocks, weights)."""
+
+
+class OutputError(AttnquantError, OSError):
+    """An output could not be written (disk full, read-only, ...); nothing was left behind."""
+
+
+class OutputBusyError(OutputError):
+    """Another run is writing the same output directory right now."""

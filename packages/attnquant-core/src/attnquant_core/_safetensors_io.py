@@ -384,9 +384,13 @@ class PlannedWriter:
         fd, offset = self._where[key]
         data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         self.digests[key] = tensor_digest(data)
-        while data.nbytes:
-            written = os.pwrite(fd, data, offset)
-            data, offset = data[written:], offset + written
+        try:
+            while data.nbytes:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
+        except OSError as exc:
+            name = self._weight_map.get(key, "?")
+            raise OSError(exc.errno, f"{exc.strerror} writing {key!r} to {name}") from exc
         self._pending.discard(key)
 
     def __enter__(self) -> PlannedWriter:
