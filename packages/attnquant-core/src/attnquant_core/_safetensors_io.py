@@ -256,7 +256,7 @@ class SafetensorsFiles:
         try:
             with open(path, "rb") as f:
                 f.seek(offset)
-                chunk = bytearray(16 << 20)
+                chunk = bytearray(min(16 << 20, max(spec.nbytes, 1)))
                 while offset < end:
                     n = f.readinto(memoryview(chunk)[: min(len(chunk), end - offset)])
                     if not n:
