@@ -112,7 +112,11 @@ def run_load(port: int, model: str, args: argparse.Namespace) -> dict:
         while time.monotonic() < stop_at:
             n += 1
             bad = args.malformed_every and n % args.malformed_every == 0
-            path, body = MALFORMED[n % len(MALFORMED)] if bad else ("/v1/completions", valid)
+            path, body = (
+                MALFORMED[n // args.malformed_every % len(MALFORMED)]
+                if bad
+                else ("/v1/completions", valid)
+            )
             start = time.perf_counter()
             try:
                 status = post(port, path, body)

@@ -292,7 +292,7 @@ def run_load(port: int, model: str, *, clients: int, seconds: float, malformed_e
             n += 1
             try:
                 if n % malformed_every == 0:
-                    path, body = MALFORMED[n % len(MALFORMED)]
+                    path, body = MALFORMED[n // malformed_every % len(MALFORMED)]
                     bad.append(_post(port, path, body))
                 else:
                     good.append(_post(port, "/v1/completions", valid))
@@ -492,3 +492,32 @@ def test_two_runs_writing_one_output_give_one_result_and_one_error(demo, tmp_pat
     assert ThetaCheckpoint.open(out).rank == 2  # the first run's result, whole
     assert cli(["check", str(out)]) == 0
     assert _strays(tmp_path, "theta") == []
+
+
+_SUPERVISOR = """
+import subprocess, sys, time
+from attnquant_max._serve import ServerProcess
+# a "server" that spawns a worker of its own, as max serve does
+server = ServerProcess([sys.executable, "-c",
+    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"])
+print(server.pid, server.watchdog.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest_linux
+def test_supervised_group_dies_with_its_supervisor_without_max():
+    """The mechanism alone (no MAX, seconds): kill -9 the supervisor, nothing it started stays."""
+    import subprocess
+
+    supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR], stdout=subprocess.PIPE)
+    server_pid, watchdog_pid = map(int, supervisor.stdout.readline().split())
+    deadline = time.monotonic() + 60
+    while len(_descendants(server_pid)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = {server_pid, watchdog_pid} | _descendants(server_pid)
+    assert len(started) == 3
+    supervisor.kill()
+    supervisor.wait()
+    supervisor.stdout.close()
+    assert not _wait_gone(started), "left running after kill -9 of the supervisor"
