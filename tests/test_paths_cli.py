@@ -1,6 +1,6 @@
 """`attnquant verify` on every execution path, through the CLI, on the tiny Llama of attnquant-max.
 
-The tiny model, its banded bundle and its serving size are those of attnquant-max's tests
+The tiny model, its bundle and its serving size are those of attnquant-max's tests
 (:mod:`attnquant_max.testing`), so every graph here is one that session already compiled: MAX's
 cache serves it in seconds, and a cold CI compiles each path's graph once. The demo model is
 served end to end by the stock path only (``test_serve_e2e.py``); each in-graph path is the same
@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 
 from attnquant_cli import cli
-from attnquant_core import decompose_checkpoint
 from attnquant_max import PATH_DESCRIPTIONS
 from attnquant_max.testing import (
     LAYERS,
     MAX_BATCH_SIZE,
     MAX_LENGTH,
     PROJECTIONS,
-    TINY_BANDED,
+    write_tiny_bundle,
     write_tiny_llama,
 )
 
@@ -45,10 +44,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def banded(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "banded"
-    decompose_checkpoint(tiny, out, **TINY_BANDED)
-    return out
+def bundle(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_bundle(tiny, tmp_path_factory.mktemp("tiny") / "bundle")
 
 
 def _verify(base: Path, theta: Path, tmp_path: Path, capsys) -> tuple[int, dict, str]:
@@ -61,14 +58,14 @@ def _verify(base: Path, theta: Path, tmp_path: Path, capsys) -> tuple[int, dict,
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_verify_checks_an_in_graph_path_against_the_stock_path(
-    path, banded, tmp_path, capsys, monkeypatch, caplog
+    path, bundle, tmp_path, capsys, monkeypatch, caplog
 ):
     """`attnquant verify B B` with a path's variables: the base side of verify is always the
-    stock path, so this is the path against precompute-outside on the same (compressed) bundle."""
+    stock path, so this is the path against precompute-outside on the same bundle."""
     for name, value in PATHS[path].items():
         monkeypatch.setenv(name, value)
     with caplog.at_level("INFO"):
-        code, report, text = _verify(banded, banded, tmp_path, capsys)
+        code, report, text = _verify(bundle, bundle, tmp_path, capsys)
     assert code == 0, text
     assert report["agreement"] == 1.0
     assert report["max_abs_logprob_delta"] < 1e-2

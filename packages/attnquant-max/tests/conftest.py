@@ -23,9 +23,9 @@ from attnquant_max.testing import (
     MAX_BATCH_SIZE,
     MAX_LENGTH,
     PROJECTIONS,
-    TINY_BANDED,
     load_tiny,
     tiny_llama_tensors,
+    write_tiny_bundle,
     write_tiny_llama,
 )
 
@@ -74,11 +74,9 @@ def tiny_theta_g1(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
-def tiny_banded(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The in-graph paths' bundle: G = 2 over three layers (layers 0-1 share W0), rank 16."""
-    out = tmp_path_factory.mktemp("ckpt") / "theta_banded"
-    decompose_checkpoint(tiny_dense, out, **TINY_BANDED)
-    return out
+def tiny_bundle(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The in-graph paths' bundle: one W0 per layer, a scale and a rank-16 correction at work."""
+    return write_tiny_bundle(tiny_dense, tmp_path_factory.mktemp("ckpt") / "bundle")
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,20 @@
 """The in-graph paths served end to end: the tiny Llama on CPU, against precompute-outside.
 
 One whole-model graph per path (GEMM, in-graph precompute, custom op) beyond the stock one, all
-on one bundle: G = 2 bands over three layers (layers 0-1 share a W0, layer 2 has its own) and
-rank 16, so shared and single-layer bands, the scale and the low-rank correction all run in the
-one compile of each path (~1-2 min cold on two cores, seconds from the cache). The matmul counts
-and weight bytes are read from traced (not compiled) graphs.
+on one bundle (:func:`attnquant_max.testing.write_tiny_bundle`): one W0 per layer, as at
+passthrough, the production shape and the cheapest to compile (every layer's theta ops are
+alike), with a scale s != 1 and a rank-16 correction U V^T at work in every projection, so every
+term of the identity runs (~1-2 min cold per path on two cores, seconds from the cache). The
+matmul counts and weight bytes are read from traced (not compiled) graphs.
 
-Passthrough needs no graph of its own: it is the same identity with one layer per band, and the
-rebuild it serves on precompute-outside is bit-exact to the dense weights
-(``test_weights.py::test_theta_at_passthrough_rebuilds_the_dense_weights_exactly``), so "in-graph
-path == precompute-outside on a bundle with shared and single-layer bands" covers "in-graph at
-passthrough == the stock model". The layer-level graph of ``test_layers.py`` checks the GEMM and
-precompute layers against the numpy identity to 1e-4 on top of that.
+What moved: the GEMM path at passthrough against the stock model had a graph of its own, and
+the in-graph paths had another bundle (G = 1, one W0 shared by both layers). Passthrough is this
+bundle's shape with s = 1 and U V^T = 0, and its precompute-outside rebuild is bit-exact to the
+dense weights (``test_weights.py::test_theta_at_passthrough_rebuilds_the_dense_weights_exactly``),
+so "each in-graph path == precompute-outside on this bundle" covers "in-graph at passthrough ==
+the stock model". A band W0 shared by several layers (slots, one weight held once) is checked
+against the numpy identity to 1e-4 in the layer graph of ``test_layers.py`` and in the layout
+test there; the CLI runs every path through ``attnquant verify`` in ``tests/test_paths_cli.py``.
 """
 
 from __future__ import annotations
@@ -45,22 +48,22 @@ PATHS = {"gemm": GEMM, "precompute": PRECOMPUTE, "custom": CUSTOM}
 
 
 @pytest.fixture(scope="module")
-def outside_banded(tiny_banded: Path) -> Iterator[LoadedModel]:
-    """The banded bundle rebuilt once at load: the stock graph (shared with the dense model)."""
-    with load_tiny(tiny_banded) as model:
+def outside_bundle(tiny_bundle: Path) -> Iterator[LoadedModel]:
+    """The bundle rebuilt once at load: the stock graph (shared with the dense model)."""
+    with load_tiny(tiny_bundle) as model:
         yield model
 
 
 @pytest.fixture(scope="module", params=list(PATHS))
-def in_graph(request: pytest.FixtureRequest, tiny_banded: Path) -> Iterator[LoadedModel]:
-    """The banded bundle on each in-graph path; one model open at a time."""
-    with load_tiny(tiny_banded, PATHS[request.param]) as model:
+def in_graph(request: pytest.FixtureRequest, tiny_bundle: Path) -> Iterator[LoadedModel]:
+    """The bundle on each in-graph path; one model open at a time."""
+    with load_tiny(tiny_bundle, PATHS[request.param]) as model:
         yield model
 
 
 @pytest.fixture(scope="module")
-def gemm_banded(tiny_banded: Path) -> Iterator[LoadedModel]:
-    with load_tiny(tiny_banded, GEMM) as model:
+def gemm_bundle(tiny_bundle: Path) -> Iterator[LoadedModel]:
+    with load_tiny(tiny_bundle, GEMM) as model:
         yield model
 
 
@@ -69,27 +72,27 @@ def _pipeline_model(model: LoadedModel) -> Any:
 
 
 def test_gemm_path_builds_the_theta_model(
-    gemm_banded: LoadedModel, theta_model: LoadedModel
+    gemm_bundle: LoadedModel, theta_model: LoadedModel
 ) -> None:
     from attnquant_max import ThetaLlama3Model
 
-    pm = _pipeline_model(gemm_banded)
+    pm = _pipeline_model(gemm_bundle)
     assert isinstance(pm, ThetaLlama3Model)
     assert "attnquant.gemm.self_attn.qkv_proj.0.W0V" in pm.state_dict
     assert "attnquant.gemm.self_attn.qkv_proj.1.W0V" in pm.state_dict  # the second band
-    assert "layers.2.mlp.down_proj.theta_U" in pm.state_dict
+    assert "layers.1.mlp.down_proj.theta_U" in pm.state_dict
     assert not any(k.endswith("q_proj.weight") for k in pm.state_dict)
     assert not any(k.startswith("attnquant.") for k in _pipeline_model(theta_model).state_dict)
 
 
 def test_in_graph_paths_agree_with_precompute_outside(
-    in_graph: LoadedModel, outside_banded: LoadedModel
+    in_graph: LoadedModel, outside_bundle: LoadedModel
 ) -> None:
     """Same bundle, same greedy tokens; log-probabilities within float32 reassociation."""
     for prompt in PROMPTS:
-        ids = outside_banded.encode(prompt)
-        assert greedy_generate(in_graph, ids, 12) == greedy_generate(outside_banded, ids, 12)
-    report = logit_parity(outside_banded, in_graph, PROMPTS, 8)
+        ids = outside_bundle.encode(prompt)
+        assert greedy_generate(in_graph, ids, 12) == greedy_generate(outside_bundle, ids, 12)
+    report = logit_parity(outside_bundle, in_graph, PROMPTS, 8)
     assert report.max_abs_logprob_delta < 1e-2, report
     assert report.agreement == 1.0
     assert report.native_equivalent
@@ -121,15 +124,15 @@ def _checkpoint_bytes(path: Path) -> int:
 
 
 def test_matmuls_per_layer_and_weight_bytes(
-    outside_banded: LoadedModel, dense_model: LoadedModel, tiny_banded: Path, tiny_dense: Path
+    outside_bundle: LoadedModel, dense_model: LoadedModel, tiny_bundle: Path, tiny_dense: Path
 ) -> None:
     """Read from the traced IR: the table of the closing note."""
     rows = {
-        "precompute-outside": _per_layer(AttnquantConfig(), outside_banded),
-        "gemm, fused": _per_layer(GEMM, outside_banded),
-        "gemm, unfused": _per_layer(dataclasses.replace(GEMM, qkv_fuse=False), outside_banded),
-        "precompute in graph, fused": _per_layer(PRECOMPUTE, outside_banded),
-        "custom op, fused MLP": _per_layer(CUSTOM, outside_banded),
+        "precompute-outside": _per_layer(AttnquantConfig(), outside_bundle),
+        "gemm, fused": _per_layer(GEMM, outside_bundle),
+        "gemm, unfused": _per_layer(dataclasses.replace(GEMM, qkv_fuse=False), outside_bundle),
+        "precompute in graph, fused": _per_layer(PRECOMPUTE, outside_bundle),
+        "custom op, fused MLP": _per_layer(CUSTOM, outside_bundle),
     }
     for name, (per_layer, total, nbytes) in rows.items():
         print(f"{name:28s} matmuls/layer {per_layer:5.1f} (total {total}), weight bytes {nbytes}")
@@ -138,7 +141,7 @@ def test_matmuls_per_layer_and_weight_bytes(
     assert rows["gemm, unfused"][0] == 14  # two per projection
     assert rows["precompute in graph, fused"][0] == 4 + 7  # + U V^T per projection
     assert rows["custom op, fused MLP"][0] == 0  # generated_linear x4, generated_mlp x1
-    graph, _ = decoder_graph(outside_banded, CUSTOM)
+    graph, _ = decoder_graph(outside_bundle, CUSTOM)
     text = str(graph)
     assert text.count('"generated_linear"') == 4 * LAYERS, "q, k, v, o per layer"
     assert text.count('"generated_mlp"') == LAYERS
@@ -146,7 +149,7 @@ def test_matmuls_per_layer_and_weight_bytes(
     # checkpoint's tensors, nothing more (W0 once per band, V inside the band weight).
     dense = _checkpoint_bytes(tiny_dense)
     assert rows["precompute-outside"][2] == dense == _pipeline_model(dense_model).weight_bytes
-    theta = _checkpoint_bytes(tiny_banded)
+    theta = _checkpoint_bytes(tiny_bundle)
     for name in (
         "gemm, fused",
         "gemm, unfused",

@@ -1,14 +1,16 @@
 """The theta layers in a MAX graph against the numpy identity of attnquant-core.
 
-One graph per dtype holds every variant (GEMM fused, GEMM unfused, in-graph
-precompute) of two layers in one band, so slots and shared band weights are
-exercised by two compiles (each ~1-3 min cold on two cores: keep it small).
-Several bands are covered by the layout test (numpy).
+One graph holds every variant (GEMM fused, GEMM unfused, in-graph precompute) of two layers in
+one band, in float32 and in bfloat16 (each dtype its own inputs and weights), so slots, shared
+band weights and both dtypes cost one compile (~1-3 min cold on two cores: keep it small).
+Several bands are covered by the layout test (numpy) and by the whole tiny model of
+``test_ingraph.py`` (two bands over three layers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -81,13 +83,31 @@ def _round(families: dict[str, FamilyTheta], dtype: type) -> dict[str, FamilyThe
     }
 
 
-def _run(families: dict[str, FamilyTheta], dtype_name: str) -> dict[str, list[np.ndarray]]:
-    """Build, compile and run the one graph of every variant; outputs as float32."""
-    from max.driver import CPU, Buffer
+class _Holder:
+    """A ``max.nn.Module`` that only holds sub-modules (made lazily: max imports on first use)."""
+
+    cls: Any = None
+
+    @classmethod
+    def make(cls) -> Any:
+        if cls.cls is None:
+            from max.nn import Module
+
+            class Holder(Module):
+                def __call__(self) -> None:  # pragma: no cover
+                    raise TypeError
+
+            cls.cls = Holder
+        return cls.cls()
+
+
+def _add_variants(
+    root: Any, state: dict[str, Any], families: dict[str, FamilyTheta], dtype_name: str
+) -> dict[str, list[Any]]:
+    """Hang every variant's layers in ``dtype_name`` under ``root.<dtype_name>``; their weights
+    go into ``state``. Returns the layer blocks of each variant, in call order."""
     from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType, ops
-    from max.nn import Module
+    from max.graph import DeviceRef
 
     from attnquant_max._layers import ThetaBuilder
     from attnquant_max._weights import weight_data_from_numpy
@@ -95,13 +115,8 @@ def _run(families: dict[str, FamilyTheta], dtype_name: str) -> dict[str, list[np
     dtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[dtype_name]
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype_name]
     cpu = DeviceRef.CPU()
-
-    class Holder(Module):
-        def __call__(self) -> None:  # pragma: no cover
-            raise TypeError
-
-    root = Holder()
-    state = {}
+    branch = _Holder.make()
+    setattr(root, dtype_name, branch)
     calls = {}
     for variant, (gemm, fuse) in VARIANTS.items():
         tensors = dict(
@@ -118,11 +133,11 @@ def _run(families: dict[str, FamilyTheta], dtype_name: str) -> dict[str, list[np
         assert layout is not None and layout.gemm is gemm and layout.blocks == BLOCKS
         assert layout.fused is fuse
         builder = ThetaBuilder(layout, num_layers=LAYERS, shapes=SHAPES, dtype=dtype, device=cpu)
-        sub = Holder()
+        sub = _Holder.make()
         sub.bank = builder.bank
-        layers, holder = [], Holder()
+        layers, holder = [], _Holder.make()
         for layer in GRAPH_LAYERS[variant]:
-            block, attn = Holder(), Holder()
+            block, attn = _Holder.make(), _Holder.make()
             attn.qkv_proj = builder.stacked(QKV, layer)
             attn.o_proj = builder.linear("self_attn.o_proj", layer)
             block.self_attn = attn
@@ -130,57 +145,95 @@ def _run(families: dict[str, FamilyTheta], dtype_name: str) -> dict[str, list[np
             setattr(holder, str(layer), block)  # weight names read layers.<i>....
             layers.append(block)
         sub.layers = holder
-        setattr(root, variant, sub)
+        setattr(branch, variant, sub)
         calls[variant] = layers
         # Only the weights of the layers in the graph (layer 2 is in another band).
         used = set(sub.raw_state_dict())
+        prefix = f"{dtype_name}.{variant}"
         state.update(
             {
-                f"{variant}.{k}": weight_data_from_numpy(v, f"{variant}.{k}")
+                f"{prefix}.{k}": weight_data_from_numpy(v, f"{prefix}.{k}")
                 for k, v in tensors.items()
                 if k in used
             }
         )
-    root.load_state_dict(state, strict=True)
+    return calls
 
-    def forward(x, x_o):
+
+def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict[str, Any]]:
+    """Build, compile and run the one graph of every variant in every dtype; outputs float32.
+
+    float32 and bfloat16 share the graph (one compile for both): each dtype takes its own two
+    inputs and owns its own weights.
+    """
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType, ops
+
+    cpu = DeviceRef.CPU()
+    root = _Holder.make()
+    state: dict[str, Any] = {}
+    calls = {
+        name: _add_variants(root, state, fams, name) for name, fams in families_by_dtype.items()
+    }
+    root.load_state_dict(state, strict=True)
+    dtypes = {"float32": DType.float32, "bfloat16": DType.bfloat16}
+    np_dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+    def forward(*inputs):
         outs = []
-        for variant in VARIANTS:
-            for block in calls[variant]:
-                outs.append(block.self_attn.qkv_proj(x.tensor))
-                outs.append(block.self_attn.o_proj(x_o.tensor))
-                outs.append(block.mlp(x.tensor))
+        for n, name in enumerate(calls):
+            x, x_o = inputs[2 * n].tensor, inputs[2 * n + 1].tensor
+            for variant in VARIANTS:
+                for block in calls[name][variant]:
+                    outs.append(block.self_attn.qkv_proj(x))
+                    outs.append(block.self_attn.o_proj(x_o))
+                    outs.append(block.mlp(x))
         return [ops.cast(o, DType.float32) for o in outs]
 
-    graph = Graph(
-        f"theta_layers_{dtype_name}",
-        forward,
-        input_types=[
-            TensorType(dtype, [TOKENS, HIDDEN], cpu),
-            TensorType(dtype, [TOKENS, Q_OUT], cpu),
-        ],
-    )
+    input_types = []
+    for name in calls:
+        input_types += [
+            TensorType(dtypes[name], [TOKENS, HIDDEN], cpu),
+            TensorType(dtypes[name], [TOKENS, Q_OUT], cpu),
+        ]
+    graph = Graph("theta_layers", forward, input_types=input_types)
     # Shared band weights: one graph weight for the two layers of the band.
     text = str(graph)
-    band = f'"fused.{gemm_band_key("self_attn.qkv_proj", 0)}"'
-    assert text.count(band) == 1, [line for line in text.splitlines() if band in line]
+    for name in calls:
+        band = f'"{name}.fused.{gemm_band_key("self_attn.qkv_proj", 0)}"'
+        assert text.count(band) == 1, [line for line in text.splitlines() if band in line]
     session = InferenceSession(devices=[CPU()])
     model = session.load(graph, weights_registry=root.state_dict())
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(TOKENS, HIDDEN)).astype(np_dtype)
-    x_o = rng.normal(size=(TOKENS, Q_OUT)).astype(np_dtype)
 
-    def buf(a: np.ndarray) -> Buffer:
+    def buf(a: np.ndarray, name: str) -> Buffer:
         if a.dtype == np.float32:
             return Buffer.from_numpy(a)
-        return Buffer.from_numpy(a.view(np.uint16)).view(dtype, list(a.shape))
+        return Buffer.from_numpy(a.view(np.uint16)).view(dtypes[name], list(a.shape))
 
-    outs = [np.from_dlpack(o) for o in model.execute(buf(x), buf(x_o))]
-    result: dict[str, list[np.ndarray]] = {"x": [x.astype(np.float32), x_o.astype(np.float32)]}
-    for variant in VARIANTS:
-        n = 3 * len(GRAPH_LAYERS[variant])
-        result[variant], outs = outs[:n], outs[n:]
-    return result
+    arrays, buffers = {}, []
+    for name in calls:
+        x = rng.normal(size=(TOKENS, HIDDEN)).astype(np_dtypes[name])
+        x_o = rng.normal(size=(TOKENS, Q_OUT)).astype(np_dtypes[name])
+        arrays[name] = [x.astype(np.float32), x_o.astype(np.float32)]
+        buffers += [buf(x, name), buf(x_o, name)]
+    outs = [np.from_dlpack(o) for o in model.execute(*buffers)]
+    results: dict[str, dict[str, Any]] = {}
+    for name in calls:
+        result: dict[str, Any] = {"x": arrays[name]}
+        for variant in VARIANTS:
+            n = 3 * len(GRAPH_LAYERS[variant])
+            result[variant], outs = outs[:n], outs[n:]
+        results[name] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def outputs(families: dict[str, FamilyTheta]) -> dict[str, dict[str, Any]]:
+    """Every variant's outputs in float32 and bfloat16, from the one compiled graph."""
+    return _run({"float32": families, "bfloat16": _round(families, ml_dtypes.bfloat16)})
 
 
 def _max_rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -206,8 +259,10 @@ def test_band_weight_layout(families: dict[str, FamilyTheta]) -> None:
 
 
 @pytest.mark.slow
-def test_layers_match_the_numpy_identity_float32(families: dict[str, FamilyTheta]) -> None:
-    result = _run(families, "float32")
+def test_layers_match_the_numpy_identity_float32(
+    families: dict[str, FamilyTheta], outputs: dict[str, dict[str, Any]]
+) -> None:
+    result = outputs["float32"]
     for variant in VARIANTS:
         refs = list(_references(families, *result["x"], GRAPH_LAYERS[variant]))
         for i, (got, ref) in enumerate(zip(result[variant], refs, strict=True)):
@@ -216,9 +271,11 @@ def test_layers_match_the_numpy_identity_float32(families: dict[str, FamilyTheta
 
 
 @pytest.mark.slow
-def test_layers_match_the_numpy_identity_bfloat16(families: dict[str, FamilyTheta]) -> None:
+def test_layers_match_the_numpy_identity_bfloat16(
+    families: dict[str, FamilyTheta], outputs: dict[str, dict[str, Any]]
+) -> None:
     rounded = _round(families, ml_dtypes.bfloat16)
-    result = _run(rounded, "bfloat16")
+    result = outputs["bfloat16"]
     for variant in VARIANTS:
         refs = list(_references(rounded, *result["x"], GRAPH_LAYERS[variant]))
         for i, (got, ref) in enumerate(zip(result[variant], refs, strict=True)):

@@ -689,7 +689,6 @@ def bench(
     if order not in ("abba", "random"):
         raise typer.BadParameter(f"--order {order!r}: use 'abba' or 'random'")
     import json
-    from dataclasses import replace
 
     from attnquant_core import machine_load, read_load
     from attnquant_max import AttnquantConfig, load_pipeline, plan_serving
@@ -717,9 +716,10 @@ def bench(
     if not aa:
         console.print(plan_serving(theta, config).describe(), highlight=False, soft_wrap=True)
     common = {"max_length": max_length, "max_batch_size": max_batch_size, "devices": devices}
-    # The base is the stock model: served as it is, whatever ATTNQUANT_BLOCKS says.
-    base_model = load_pipeline(base, config=replace(config, blocks=None), **common)
-    theta_config = replace(config, blocks=None) if aa else config
+    # The base is the stock model, served as it is on the stock path whatever the ATTNQUANT_*
+    # variables say (as `verify` serves its base); in A/A mode both sides are.
+    base_model = load_pipeline(base, config=AttnquantConfig(), **common)
+    theta_config = AttnquantConfig() if aa else config
     theta_model = load_pipeline(theta, config=theta_config, **common)
     try:
         prompt = prompt_ids(base_model.encode, prompt_tokens)

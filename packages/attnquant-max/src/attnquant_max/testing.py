@@ -27,24 +27,24 @@ __all__ = [
     "MAX_BATCH_SIZE",
     "MAX_LENGTH",
     "PROJECTIONS",
-    "TINY_BANDED",
+    "TINY_RANK",
     "TINY_SERVING",
     "VOCAB",
     "load_tiny",
     "tiny_llama_tensors",
+    "write_tiny_bundle",
     "write_tiny_llama",
     "write_tokenizer",
 ]
 
-# The one model shape of the test suites. Three layers, so that a bundle of two bands (layers
-# 0-1 sharing a W0, layer 2 alone) exercises shared and single-layer bands in one graph.
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 64, 3, 4, 2, 16, 128, 272
+# The one model shape of the test suites.
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 64, 2, 4, 2, 16, 128, 272
 # The one serving size: part of every compiled graph.
 MAX_LENGTH, MAX_BATCH_SIZE = 64, 4
 TINY_SERVING: dict[str, int] = {"max_length": MAX_LENGTH, "max_batch_size": MAX_BATCH_SIZE}
-# The bundle every in-graph path serves as a whole model: two bands over three layers (a shared
-# W0 and a single-layer one) and rank 16, the largest the k/v shapes [32, 64] allow being 32.
-TINY_BANDED: dict[str, int] = {"blocks": 2, "rank": 16}
+# The rank of the bundle every in-graph path serves as a whole model (write_tiny_bundle); the
+# k/v shapes [32, 64] allow up to 32.
+TINY_RANK = 16
 SPECIALS = ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(VOCAB - 258)]
 
 PROJECTIONS = {
@@ -142,3 +142,38 @@ def load_tiny(path: Path, config: Any = None) -> Any:
     return load_pipeline(
         path, **TINY_SERVING, config=AttnquantConfig() if config is None else config
     )
+
+
+def write_tiny_bundle(dense: Path, out: Path, *, rank: int = TINY_RANK, seed: int = 1) -> Path:
+    """The bundle the in-graph paths serve as a whole model: one ``W0`` per layer, as at
+    passthrough (the production shape, and the cheapest graph to compile: every layer's theta
+    ops are alike), but with every term of the identity at work: ``W0`` is the dense weight,
+    ``s`` is ``1 +- 0.1`` and ``U Vᵀ`` a rank-``rank`` term about 0.3 of the weight's scale.
+
+    It is a different model from ``dense`` (``W_eff = s·W0 + U Vᵀ``), made to compare execution
+    paths on one bundle; bands shared by several layers are checked at the layer level.
+    """
+    from attnquant_core import FamilyTheta, LayerTheta, ThetaModel, open_checkpoint, save_theta
+
+    rng = np.random.default_rng(seed)
+    ckpt = open_checkpoint(dense)
+    tensors = {key: ckpt.get(key) for key in ckpt.keys()}
+    families = {}
+    for name, info in ckpt.families.items():
+        out_dim, in_dim = info.shape
+        weights = tuple(np.ascontiguousarray(tensors.pop(key)) for key in info.keys)
+        layers = tuple(
+            LayerTheta(
+                s=(1.0 + rng.normal(0.0, 0.1, out_dim)).astype(np.float32),
+                U=rng.normal(0.0, 0.3 * in_dim**-0.5, (out_dim, rank)).astype(np.float32),
+                V=rng.normal(0.0, rank**-0.5, (in_dim, rank)).astype(np.float32),
+            )
+            for _ in weights
+        )
+        families[name] = FamilyTheta(
+            name=name, shared=weights, bands=tuple(range(len(weights))), layers=layers
+        )
+    config = json.loads((dense / "config.json").read_text())
+    model = ThetaModel(families=families, stack=ckpt.stack, extra=tensors)
+    save_theta(model, out, config=config, source_dir=dense)
+    return out
