@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file
 
 from attnquant_cli import cli
 from attnquant_max import PATH_DESCRIPTIONS
@@ -24,6 +25,7 @@ from attnquant_max.testing import (
     MAX_BATCH_SIZE,
     MAX_LENGTH,
     PROJECTIONS,
+    tiny_llama_tensors,
     write_tiny_bundle,
     write_tiny_llama,
 )
@@ -71,7 +73,9 @@ def test_verify_checks_an_in_graph_path_against_the_stock_path(
     assert report["max_abs_logprob_delta"] < 1e-2
     assert "verdict: native-equivalent" in text
     # The in-graph paths hold the theta checkpoint's tensors, not the rebuilt dense weights.
-    assert report["theta_weight_bytes"] < report["base_weight_bytes"]
+    held = sum(a.nbytes for f in bundle.glob("*.safetensors") for a in load_file(f).values())
+    assert report["theta_weight_bytes"] == held
+    assert report["base_weight_bytes"] == sum(a.nbytes for a in tiny_llama_tensors().values())
     assert f"on the {PATH_DESCRIPTIONS[path]}" in caplog.text  # the theta side's start-up line
 
 
