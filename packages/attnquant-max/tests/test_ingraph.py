@@ -38,7 +38,8 @@ from attnquant_max import (
 
 from .conftest import LAYERS, load_tiny
 
-pytestmark = pytest.mark.slow
+# One pytest-xdist worker: these share the stock and in-graph model graphs (noxfile.py).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("whole-model")]
 
 PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
 GEMM = AttnquantConfig(precompute_outside=False, gemm=True)
