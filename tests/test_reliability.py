@@ -379,6 +379,17 @@ def test_serve_refuses_a_corrupt_checkpoint_before_starting(theta, capsys):
     _one_line_error(capsys, "model.safetensors", "model.layers.0.mlp.up_proj.theta_V")
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["verify", "demo", "{theta}"], ["bench", "demo", "{theta}"], ["generate", "{theta}"]],
+    ids=["verify", "bench", "generate"],
+)
+def test_commands_that_load_refuse_a_corrupt_checkpoint_before_max(theta, capsys, argv):
+    _flip_bit(theta / "model.safetensors", "model.layers.1.self_attn.o_proj.theta_U")
+    assert cli([a.format(theta=theta) for a in argv]) == 2  # before any pipeline is built
+    _one_line_error(capsys, "model.safetensors", "model.layers.1.self_attn.o_proj.theta_U")
+
+
 def test_every_written_tensor_has_a_digest(theta, tmp_path):
     from attnquant_core import DIGESTS_FILE
     from attnquant_core._safetensors_io import SafetensorsFiles

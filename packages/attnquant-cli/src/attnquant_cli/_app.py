@@ -562,9 +562,11 @@ def generate(
     max_batch_size: MaxBatch = 8,
 ) -> int:
     """Complete PROMPT greedily with MODEL (raw completion, no chat template)."""
+    from attnquant_core import require_intact
     from attnquant_max import greedy_generate, load_pipeline, plan_serving
 
     path = _model(model)
+    require_intact(path)  # every tensor against its digest (ATTNQUANT_VERIFY_DIGESTS=0: skip)
     console.print(plan_serving(path).describe(), highlight=False, soft_wrap=True)
     with load_pipeline(
         path, max_length=max_length, max_batch_size=max_batch_size, devices=devices
@@ -591,9 +593,12 @@ def verify(
     max_batch_size: MaxBatch = 8,
 ) -> int:
     """Logit parity of THETA against BASE; exit 1 when not native-equivalent."""
+    from attnquant_core import require_intact
     from attnquant_max import AGREEMENT_THRESHOLD, DELTA_THRESHOLD, logit_parity
 
     base, theta = _model(str(base)), _model(str(theta))
+    for checkpoint in {base, theta}:  # MAX reads a dense base itself: check it here
+        require_intact(checkpoint)
     texts = list(VERIFY_PROMPTS)
     if prompts is not None:
         texts = [line for line in prompts.read_text().splitlines() if line.strip()]
@@ -690,7 +695,7 @@ def bench(
         raise typer.BadParameter(f"--order {order!r}: use 'abba' or 'random'")
     import json
 
-    from attnquant_core import machine_load, read_load
+    from attnquant_core import machine_load, read_load, require_intact
     from attnquant_max import AttnquantConfig, load_pipeline, plan_serving
 
     from ._analyze import write_atomic
@@ -705,6 +710,8 @@ def bench(
     )
 
     base, theta = _model(str(base)), _model(str(theta))
+    for checkpoint in {base, theta}:  # every tensor against its digest, before MAX loads
+        require_intact(checkpoint)
     aa = base.resolve() == theta.resolve()
     if aa:
         console.print("A/A check: BASE against itself (the gate is not applied)", highlight=False)
