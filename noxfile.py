@@ -26,12 +26,6 @@ OFFLINE = {
 }
 
 
-# attnquant-max's tests compile about ten MAX graphs; one compile keeps ~1.5 of the two cores
-# busy, so two pytest-xdist workers, each holding the tests that share graphs (xdist_group
-# marks), finish the session sooner than one (measured: see the README's development section).
-PYTEST_ARGS = {"max": ("-n", "2", "--dist", "loadgroup")}
-
-
 def sync(session: nox.Session, *args: str) -> None:
     """Install from the lock into this session's environment (never re-resolving)."""
     session.run_install(
@@ -62,10 +56,7 @@ def _package_tests(pkg: str):
                 "import importlib.util, sys; "
                 "sys.exit('max is importable in the core env' if importlib.util.find_spec('max') else 0)",
             )
-        args = PYTEST_ARGS.get(pkg, ())
-        session.run(
-            "pytest", f"packages/attnquant-{pkg}/tests", *args, *session.posargs, env=OFFLINE
-        )
+        session.run("pytest", f"packages/attnquant-{pkg}/tests", *session.posargs, env=OFFLINE)
 
     run.__doc__ = f"Tests of attnquant-{pkg}, in an environment holding only that package."
     return run

@@ -38,8 +38,7 @@ from attnquant_max import (
 
 from .conftest import LAYERS, load_tiny
 
-# One pytest-xdist worker: these share the stock and in-graph model graphs (noxfile.py).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("whole-model")]
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
 GEMM = AttnquantConfig(precompute_outside=False, gemm=True)

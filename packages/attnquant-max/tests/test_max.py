@@ -31,8 +31,7 @@ from attnquant_max import (
 
 from .conftest import LAYERS, MAX_BATCH_SIZE, MAX_LENGTH, PROJECTIONS, load_tiny
 
-# One pytest-xdist worker: these share the stock and in-graph model graphs (noxfile.py).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("whole-model")]
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
 

@@ -27,10 +27,6 @@ from attnquant_max._weights import plan_serving
 
 from .conftest import LAYERS, PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
 
-# The other pytest-xdist worker (noxfile.py): the layer graphs and the NVFP4 model, while the
-# first compiles the stock and in-graph models (this group needs the stock graph last).
-pytestmark = pytest.mark.xdist_group("layers-and-nvfp4")
-
 NVFP4 = AttnquantConfig(quant="nvfp4")
 PROMPTS = ["hello world", "The quick brown fox"]
 
