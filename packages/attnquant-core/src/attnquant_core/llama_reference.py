@@ -20,14 +20,31 @@ dtype of the weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.special import expit
 
 from ._errors import AttnquantError
 
-__all__ = ["ReferenceConfigError", "llama_logits", "rope_inv_freq"]
+__all__ = [
+    "LlamaSpec",
+    "ReferenceConfigError",
+    "llama_head",
+    "llama_layer",
+    "llama_logits",
+    "llama_spec",
+    "num_layers",
+    "rope_inv_freq",
+    "rope_tables",
+]
+
+#: ``capture(projections, x)`` receives the input ``x [..., in]`` of the named projections of
+#: one layer (``("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")`` share one).
+Capture = Callable[[tuple[str, ...], np.ndarray], None]
+#: ``get(key)`` returns the tensor stored under a Hugging Face key.
+Getter = Callable[[str], np.ndarray]
 
 
 class ReferenceConfigError(AttnquantError, ValueError):
@@ -78,6 +95,142 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LlamaSpec:
+    """The dimensions a Llama decoder layer needs, read and checked from ``config.json``."""
+
+    hidden: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    eps: float
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_heads // self.n_kv
+
+
+def llama_spec(config: Mapping) -> LlamaSpec:
+    """Check ``config`` is one the reference implements and return its layer dimensions."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ReferenceConfigError(
+            f"hidden_act={act!r}: the reference forward implements silu only"
+        )
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ReferenceConfigError("partial_rotary_factor != 1 is not implemented by the reference")
+    hidden = int(_field(config, "hidden_size"))
+    n_heads = int(_field(config, "num_attention_heads"))
+    n_kv = int(config.get("num_key_value_heads") or n_heads)
+    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    if n_heads % n_kv:
+        raise ReferenceConfigError(f"num_attention_heads={n_heads} is not a multiple of kv={n_kv}")
+    if head_dim % 2:
+        raise ReferenceConfigError(f"head_dim={head_dim} is odd; rotary embeddings need pairs")
+    return LlamaSpec(hidden=hidden, n_heads=n_heads, n_kv=n_kv, head_dim=head_dim, eps=eps)
+
+
+def num_layers(config: Mapping, has_key: Callable[[str], bool], prefix: str = "model") -> int:
+    """``num_hidden_layers``, else the count of consecutive layers whose input norm is stored."""
+    count = int(config.get("num_hidden_layers") or 0)
+    if not count:
+        while has_key(f"{prefix}.layers.{count}.input_layernorm.weight"):
+            count += 1
+    return count
+
+
+def rope_tables(
+    config: Mapping, spec: LlamaSpec, length: int, dtype: np.dtype | type = np.float64
+) -> tuple[np.ndarray, np.ndarray]:
+    """``cos, sin`` ``[length, head_dim]`` for positions ``0..length-1`` (rotate_half layout)."""
+    angles = (
+        np.arange(length, dtype=np.float64)[:, None] * rope_inv_freq(config, spec.head_dim)[None]
+    )
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def llama_layer(
+    spec: LlamaSpec,
+    get: Getter,
+    has_key: Callable[[str], bool],
+    layer_prefix: str,
+    h: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    *,
+    capture: Capture | None = None,
+) -> np.ndarray:
+    """One decoder layer on hidden states ``h [..., T, hidden]`` (a batch of equal-length
+    sequences, positions ``0..T-1``); returns the new hidden states.
+
+    ``get`` returns a tensor already in the compute dtype; ``capture``, when given, sees the
+    input of each projection (see :data:`Capture`).
+    """
+    p = layer_prefix
+    T = h.shape[-2]
+    lead = h.shape[:-2]
+    dt = h.dtype
+
+    def linear(x: np.ndarray, key: str) -> np.ndarray:
+        y = x @ get(f"{key}.weight").T
+        bias = f"{key}.bias"
+        return y + get(bias) if has_key(bias) else y
+
+    def heads(x: np.ndarray, n: int) -> np.ndarray:  # [..., T, n*d] -> [..., n, T, d]
+        return np.swapaxes(x.reshape(*lead, T, n, spec.head_dim), -3, -2)
+
+    x = _rms_norm(h, get(f"{p}.input_layernorm.weight"), spec.eps)
+    if capture is not None:
+        capture(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), x)
+    q = heads(linear(x, f"{p}.self_attn.q_proj"), spec.n_heads)
+    k = heads(linear(x, f"{p}.self_attn.k_proj"), spec.n_kv)
+    v = heads(linear(x, f"{p}.self_attn.v_proj"), spec.n_kv)
+    if has_key(f"{p}.self_attn.q_norm.weight"):
+        q = _rms_norm(q, get(f"{p}.self_attn.q_norm.weight"), spec.eps)
+    if has_key(f"{p}.self_attn.k_norm.weight"):
+        k = _rms_norm(k, get(f"{p}.self_attn.k_norm.weight"), spec.eps)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k = np.repeat(k, spec.n_rep, axis=-3)  # head h reads kv head h // n_rep
+    v = np.repeat(v, spec.n_rep, axis=-3)
+    scores = (q @ np.swapaxes(k, -1, -2)) * dt.type(1.0 / math.sqrt(spec.head_dim))
+    scores[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    attn = np.swapaxes(probs @ v, -3, -2).reshape(*lead, T, spec.n_heads * spec.head_dim)
+    del q, k, v, scores, probs
+    if capture is not None:
+        capture(("self_attn.o_proj",), attn)
+    h = h + linear(attn, f"{p}.self_attn.o_proj")
+    x = _rms_norm(h, get(f"{p}.post_attention_layernorm.weight"), spec.eps)
+    if capture is not None:
+        capture(("mlp.gate_proj", "mlp.up_proj"), x)
+    gate = linear(x, f"{p}.mlp.gate_proj")
+    inner = gate * expit(gate) * linear(x, f"{p}.mlp.up_proj")
+    del gate
+    if capture is not None:
+        capture(("mlp.down_proj",), inner)
+    return h + linear(inner, f"{p}.mlp.down_proj")
+
+
+def llama_head(
+    config: Mapping, get: Getter, has_key: Callable[[str], bool], prefix: str = "model"
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(final norm weight, output head [vocab, hidden])``: ``lm_head``, or the tied embedding."""
+    if has_key("lm_head.weight"):
+        head = get("lm_head.weight")
+    elif config.get("tie_word_embeddings", False):
+        head = get(f"{prefix}.embed_tokens.weight")
+    else:
+        raise ReferenceConfigError(
+            "state has no 'lm_head.weight' and tie_word_embeddings is not set"
+        )
+    return get(f"{prefix}.norm.weight"), head
+
+
 def llama_logits(
     config: Mapping,
     state: Mapping[str, np.ndarray],
@@ -105,85 +258,25 @@ def llama_logits(
         Key prefix of the embedding, the layer stack and the final norm.
     """
     dt = np.dtype(dtype)
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ReferenceConfigError(
-            f"hidden_act={act!r}: the reference forward implements silu only"
-        )
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ReferenceConfigError("partial_rotary_factor != 1 is not implemented by the reference")
-    hidden = int(_field(config, "hidden_size"))
-    n_heads = int(_field(config, "num_attention_heads"))
-    n_kv = int(config.get("num_key_value_heads") or n_heads)
-    head_dim = int(config.get("head_dim") or hidden // n_heads)
-    eps = float(config.get("rms_norm_eps", 1e-6))
-    if n_heads % n_kv:
-        raise ReferenceConfigError(f"num_attention_heads={n_heads} is not a multiple of kv={n_kv}")
-    if head_dim % 2:
-        raise ReferenceConfigError(f"head_dim={head_dim} is odd; rotary embeddings need pairs")
-    n_rep = n_heads // n_kv
+    spec = llama_spec(config)
 
     def get(key: str) -> np.ndarray:
         if key not in state:
             raise ReferenceConfigError(f"state has no {key!r}")
         return np.asarray(state[key], dtype=dt)
 
-    def linear(x: np.ndarray, key: str) -> np.ndarray:
-        y = x @ get(f"{key}.weight").T
-        bias = f"{key}.bias"
-        return y + get(bias) if bias in state else y
+    def has_key(key: str) -> bool:
+        return key in state
 
     ids = np.asarray(ids, dtype=np.int64)
     if ids.ndim != 1 or not len(ids):
         raise ReferenceConfigError("ids must be a non-empty 1-D sequence of token ids")
-    T = len(ids)
     embed = get(f"{prefix}.embed_tokens.weight")
     if ids.min() < 0 or ids.max() >= embed.shape[0]:
         raise ReferenceConfigError(f"token ids outside 0..{embed.shape[0] - 1}")
     h = embed[ids]
-
-    angles = np.arange(T, dtype=np.float64)[:, None] * rope_inv_freq(config, head_dim)[None]
-    angles = np.concatenate([angles, angles], axis=-1)  # [T, head_dim], rotate_half layout
-    cos, sin = np.cos(angles).astype(dt), np.sin(angles).astype(dt)
-    causal = np.triu(np.ones((T, T), dtype=bool), k=1)
-    scale = dt.type(1.0 / math.sqrt(head_dim))
-
-    num_layers = int(config.get("num_hidden_layers") or 0)
-    if not num_layers:
-        while f"{prefix}.layers.{num_layers}.input_layernorm.weight" in state:
-            num_layers += 1
-    for i in range(num_layers):
-        p = f"{prefix}.layers.{i}"
-        x = _rms_norm(h, get(f"{p}.input_layernorm.weight"), eps)
-        q = linear(x, f"{p}.self_attn.q_proj").reshape(T, n_heads, head_dim).transpose(1, 0, 2)
-        k = linear(x, f"{p}.self_attn.k_proj").reshape(T, n_kv, head_dim).transpose(1, 0, 2)
-        v = linear(x, f"{p}.self_attn.v_proj").reshape(T, n_kv, head_dim).transpose(1, 0, 2)
-        if f"{p}.self_attn.q_norm.weight" in state:
-            q = _rms_norm(q, get(f"{p}.self_attn.q_norm.weight"), eps)
-        if f"{p}.self_attn.k_norm.weight" in state:
-            k = _rms_norm(k, get(f"{p}.self_attn.k_norm.weight"), eps)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        k = np.repeat(k, n_rep, axis=0)  # [n_heads, T, d]: head h reads kv head h // n_rep
-        v = np.repeat(v, n_rep, axis=0)
-        scores = (q @ k.transpose(0, 2, 1)) * scale
-        scores[:, causal] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        attn = (probs @ v).transpose(1, 0, 2).reshape(T, n_heads * head_dim)
-        h = h + linear(attn, f"{p}.self_attn.o_proj")
-        x = _rms_norm(h, get(f"{p}.post_attention_layernorm.weight"), eps)
-        gate = linear(x, f"{p}.mlp.gate_proj")
-        silu = gate * expit(gate)
-        h = h + linear(silu * linear(x, f"{p}.mlp.up_proj"), f"{p}.mlp.down_proj")
-    h = _rms_norm(h, get(f"{prefix}.norm.weight"), eps)
-    if "lm_head.weight" in state:
-        head = get("lm_head.weight")
-    elif config.get("tie_word_embeddings", False):
-        head = embed
-    else:
-        raise ReferenceConfigError(
-            "state has no 'lm_head.weight' and tie_word_embeddings is not set"
-        )
-    return h @ head.T
+    cos, sin = rope_tables(config, spec, len(ids), dt)
+    for i in range(num_layers(config, has_key, prefix)):
+        h = llama_layer(spec, get, has_key, f"{prefix}.layers.{i}", h, cos, sin)
+    norm, head = llama_head(config, get, has_key, prefix)
+    return _rms_norm(h, norm, spec.eps) @ head.T

@@ -1,0 +1,55 @@
+"""Calibration: the input statistics of each projection, and fitting for the output error.
+
+* The statistics format (public, model-agnostic): one safetensors file, key
+  ``<projection weight key without .weight>.input_gram`` holding ``sum_t x_t x_t^T`` over the
+  calibration tokens (float32 or float64, ``[in, in]``), ``__metadata__ {"tokens": "<count>"}``.
+  :func:`read_stats`, :func:`write_stats`, :class:`StatsWriter`, :func:`stats_digest`.
+* Whitened fitting (SVD-LLM, Basis Sharing): :func:`whitening` makes ``S`` with
+  ``S S^T = G + delta I``; :func:`whitened_svd`, :func:`whitened_row_scale`,
+  :func:`whitened_residual_svd` and :func:`whitened_shared_basis` minimise
+  ``||(W - W_hat) X||_F``.
+"""
+
+from ._stats import (
+    GRAM_SUFFIX,
+    CalibrationError,
+    CalibrationStats,
+    StatsWriter,
+    gram_key,
+    read_stats,
+    stats_digest,
+    write_stats,
+)
+from ._whiten import (
+    DEFAULT_DAMPING,
+    Whitening,
+    output_error,
+    whitened_residual_svd,
+    whitened_row_scale,
+    whitened_shared_basis,
+    whitened_spectrum,
+    whitened_svd,
+    whitening,
+)
+
+__all__ = [
+    # the statistics file
+    "GRAM_SUFFIX",
+    "CalibrationError",
+    "CalibrationStats",
+    "StatsWriter",
+    "gram_key",
+    "read_stats",
+    "stats_digest",
+    "write_stats",
+    # whitened fitting
+    "DEFAULT_DAMPING",
+    "Whitening",
+    "output_error",
+    "whitened_residual_svd",
+    "whitened_row_scale",
+    "whitened_shared_basis",
+    "whitened_spectrum",
+    "whitened_svd",
+    "whitening",
+]
