@@ -3,6 +3,8 @@
 One graph holds every variant (GEMM fused, GEMM unfused, in-graph precompute) of two layers in
 one band, in float32 and in bfloat16 (each dtype its own inputs and weights), so slots, shared
 band weights and both dtypes cost one compile (~1-3 min cold on two cores: keep it small).
+The NVFP4 linears (a lone ``NVFP4Linear`` and a stacked pair) ride in the same graph: a graph
+of their own cost another compile (~80 s cold) for what one more branch of this one proves.
 Several bands are covered by the layout test (numpy) and by the whole tiny model of
 ``test_ingraph.py`` (two bands over three layers).
 """
@@ -160,11 +162,57 @@ def _add_variants(
     return calls
 
 
+#: The NVFP4 branch: (out, in) of a stacked pair (a, b) and of a lone linear (c).
+NVFP4_SHAPES = {"a": (48, HIDDEN), "b": (16, HIDDEN), "c": (HIDDEN, FFL)}
+
+
+def _nvfp4_weights() -> dict[str, Any]:
+    """The NVFP4 branch's quantized weights; ``a`` starts with an all-zero block."""
+    from attnquant_max._nvfp4 import quantize_nvfp4
+
+    rng = np.random.default_rng(3)
+    quantized = {}
+    for name, shape in NVFP4_SHAPES.items():
+        W = rng.normal(0.0, 1.0, shape).astype(np.float32)
+        W[0, :16] = 0.0
+        quantized[name] = quantize_nvfp4(W, name=name)
+    return quantized
+
+
+def _add_nvfp4(root: Any, state: dict[str, Any], quantized: dict[str, Any]) -> Any:
+    """Hang ``NVFP4StackedLinear([a, b])`` and ``NVFP4Linear(c)`` under ``root.nvfp4``."""
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
+    from attnquant_max._weights import weight_data_from_numpy
+
+    cpu = DeviceRef.CPU()
+    branch = _Holder.make()
+    linears = {
+        n: NVFP4Linear(i, o, dtype=DType.float32, device=cpu) for n, (o, i) in NVFP4_SHAPES.items()
+    }
+    branch.stacked = NVFP4StackedLinear([linears["a"], linears["b"]], ["a", "b"])
+    branch.c = linears["c"]
+    root.nvfp4 = branch
+    for name, q in quantized.items():
+        arrays = {
+            "weight": q.weight,
+            "weight_scale": q.weight_scale.view(np.uint8),
+            "weight_scale_2": q.weight_scale_2.reshape(1),
+        }
+        for k, v in arrays.items():
+            key = f"nvfp4.{name}.{k}"
+            state[key] = weight_data_from_numpy(v, key)
+    return branch
+
+
 def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict[str, Any]]:
     """Build, compile and run the one graph of every variant in every dtype; outputs float32.
 
     float32 and bfloat16 share the graph (one compile for both): each dtype takes its own two
-    inputs and owns its own weights.
+    inputs and owns its own weights. The NVFP4 branch takes the float32 ``x`` and one more
+    input of ``FFL`` features; its results are under ``"nvfp4"``.
     """
     from max.driver import CPU, Buffer
     from max.dtype import DType
@@ -177,6 +225,8 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
     calls = {
         name: _add_variants(root, state, fams, name) for name, fams in families_by_dtype.items()
     }
+    quantized = _nvfp4_weights()
+    nvfp4 = _add_nvfp4(root, state, quantized)
     root.load_state_dict(state, strict=True)
     dtypes = {"float32": DType.float32, "bfloat16": DType.bfloat16}
     np_dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -190,6 +240,8 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
                     outs.append(block.self_attn.qkv_proj(x))
                     outs.append(block.self_attn.o_proj(x_o))
                     outs.append(block.mlp(x))
+        outs.append(nvfp4.stacked(inputs[0].tensor))  # the float32 x
+        outs.append(nvfp4.c(inputs[-1].tensor))
         return [ops.cast(o, DType.float32) for o in outs]
 
     input_types = []
@@ -198,6 +250,7 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
             TensorType(dtypes[name], [TOKENS, HIDDEN], cpu),
             TensorType(dtypes[name], [TOKENS, Q_OUT], cpu),
         ]
+    input_types.append(TensorType(DType.float32, [TOKENS, FFL], cpu))
     graph = Graph("theta_layers", forward, input_types=input_types)
     # Shared band weights: one graph weight for the two layers of the band.
     text = str(graph)
@@ -219,7 +272,8 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
         x_o = rng.normal(size=(TOKENS, Q_OUT)).astype(np_dtypes[name])
         arrays[name] = [x.astype(np.float32), x_o.astype(np.float32)]
         buffers += [buf(x, name), buf(x_o, name)]
-    outs = [np.from_dlpack(o) for o in model.execute(*buffers)]
+    y = rng.normal(size=(TOKENS, FFL)).astype(np.float32)
+    outs = [np.from_dlpack(o) for o in model.execute(*buffers, Buffer.from_numpy(y))]
     results: dict[str, dict[str, Any]] = {}
     for name in calls:
         result: dict[str, Any] = {"x": arrays[name]}
@@ -227,6 +281,9 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
             n = 3 * len(GRAPH_LAYERS[variant])
             result[variant], outs = outs[:n], outs[n:]
         results[name] = result
+    got_ab, got_c = outs
+    results["nvfp4"] = {"x": arrays["float32"][0], "y": y, "ab": got_ab, "c": got_c}
+    results["nvfp4"]["quantized"] = quantized
     return results
 
 
@@ -281,3 +338,16 @@ def test_layers_match_the_numpy_identity_bfloat16(
         for i, (got, ref) in enumerate(zip(result[variant], refs, strict=True)):
             # bf16 keeps 8 bits of mantissa; a few roundings (x V, the sum) -> ~1e-2.
             assert _max_rel(got, ref) < 3e-2, (variant, i, _max_rel(got, ref))
+
+
+@pytest.mark.slow
+def test_nvfp4_linears_match_the_reference(outputs: dict[str, dict[str, Any]]) -> None:
+    """A stacked NVFP4 pair and a lone NVFP4Linear against ``x @ dequantize(q).T`` (numpy)."""
+    from attnquant_max._nvfp4 import dequantize_nvfp4
+
+    result = outputs["nvfp4"]
+    q = result["quantized"]
+    W_ab = np.concatenate([dequantize_nvfp4(q["a"]), dequantize_nvfp4(q["b"])])
+    np.testing.assert_allclose(result["ab"], result["x"] @ W_ab.T, rtol=1e-5, atol=1e-5)
+    W_c = dequantize_nvfp4(q["c"])
+    np.testing.assert_allclose(result["c"], result["y"] @ W_c.T, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,6 @@ from attnquant_max import AttnquantConfig, LoadedModel, greedy_generate, greedy_
 from attnquant_max._nvfp4 import (
     BLOCK_SIZE,
     NVFP4Error,
-    NVFP4Tensor,
     dequantize_nvfp4,
     quantize_nvfp4,
 )
@@ -98,65 +97,8 @@ def test_quantized_state_refuses_an_inner_size_not_a_multiple_of_16(tmp_path: Pa
         dict(plan_serving(path, NVFP4).quantized_state())
 
 
-@pytest.mark.slow
-def test_nvfp4_linear_in_a_graph_matches_the_reference() -> None:
-    """One small graph: a lone NVFP4Linear and a stacked pair, against ``x @ dequantize(q).T``."""
-    from max.driver import CPU, Buffer
-    from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType
-    from max.nn import Module
-
-    from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
-    from attnquant_max._weights import weight_data_from_numpy
-
-    rng = np.random.default_rng(3)
-    shapes = {"a": (48, 32), "b": (16, 32), "c": (32, 64)}  # (out, in)
-    quantized: dict[str, NVFP4Tensor] = {}
-    for name, shape in shapes.items():
-        W = rng.normal(0.0, 1.0, shape).astype(np.float32)
-        W[0, :16] = 0.0  # an all-zero block
-        quantized[name] = quantize_nvfp4(W, name=name)
-    cpu = DeviceRef.CPU()
-
-    class Root(Module):
-        def __call__(self) -> None:  # pragma: no cover
-            raise TypeError
-
-    root = Root()
-    linears = {
-        n: NVFP4Linear(s[1], s[0], dtype=DType.float32, device=cpu) for n, s in shapes.items()
-    }
-    root.stacked = NVFP4StackedLinear([linears["a"], linears["b"]], ["a", "b"])
-    root.c = linears["c"]
-    state = {}
-    for name, q in quantized.items():
-        arrays = {
-            "weight": q.weight,
-            "weight_scale": q.weight_scale.view(np.uint8),
-            "weight_scale_2": q.weight_scale_2.reshape(1),
-        }
-        state.update(
-            {f"{name}.{k}": weight_data_from_numpy(v, f"{name}.{k}") for k, v in arrays.items()}
-        )
-    root.load_state_dict(state, strict=True)
-    graph = Graph(
-        "nvfp4_linear",
-        lambda x, y: [root.stacked(x.tensor), root.c(y.tensor)],
-        input_types=[
-            TensorType(DType.float32, [5, 32], cpu),
-            TensorType(DType.float32, [5, 64], cpu),
-        ],
-    )
-    model = InferenceSession(devices=[CPU()]).load(graph, weights_registry=root.state_dict())
-    x = rng.normal(size=(5, 32)).astype(np.float32)
-    y = rng.normal(size=(5, 64)).astype(np.float32)
-    got_ab, got_c = (
-        np.from_dlpack(o) for o in model.execute(Buffer.from_numpy(x), Buffer.from_numpy(y))
-    )
-    W_ab = np.concatenate([dequantize_nvfp4(quantized["a"]), dequantize_nvfp4(quantized["b"])])
-    np.testing.assert_allclose(got_ab, x @ W_ab.T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got_c, y @ dequantize_nvfp4(quantized["c"]).T, rtol=1e-5, atol=1e-5)
+# The NVFP4 linears in a graph (a stacked pair and a lone one, against x @ dequantize(q).T) are
+# checked in test_layers.py, as one more branch of the layer graph: one compile instead of two.
 
 
 @pytest.fixture(scope="module")
