@@ -195,10 +195,11 @@ def llama_layer(
     k = k * cos + _rotate_half(k) * sin
     k = np.repeat(k, spec.n_rep, axis=-3)  # head h reads kv head h // n_rep
     v = np.repeat(v, spec.n_rep, axis=-3)
-    scores = (q @ np.swapaxes(k, -1, -2)) * dt.type(1.0 / math.sqrt(spec.head_dim))
-    scores[..., np.triu(np.ones((T, T), dtype=bool), k=1)] = -np.inf
+    scores = q @ np.swapaxes(k, -1, -2)
+    scores *= dt.type(1.0 / math.sqrt(spec.head_dim))
+    scores += np.triu(np.full((T, T), -np.inf, dtype=dt), k=1)  # causal: -inf above the diagonal
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
+    probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     attn = np.swapaxes(probs @ v, -3, -2).reshape(*lead, T, spec.n_heads * spec.head_dim)
     del q, k, v, scores, probs

@@ -8,8 +8,24 @@
   ``S S^T = G + delta I``; :func:`whitened_svd`, :func:`whitened_row_scale`,
   :func:`whitened_residual_svd` and :func:`whitened_shared_basis` minimise
   ``||(W - W_hat) X||_F``.
+* Making statistics: :func:`read_texts`, :func:`token_stream` and :func:`token_windows` turn
+  text into token windows; :func:`calibrate` runs them through a checkpoint
+  (:func:`open_source`, dense or theta) layer by layer in numpy and writes the grams.
+* Judging by function: :func:`evaluate` gives perplexity, top-1 agreement and KL against a
+  base model on held-out windows.
 """
 
+from ._data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, read_texts, token_stream, token_windows
+from ._evaluate import EvalResult, evaluate
+from ._forward import (
+    CalibrationReport,
+    ModelSource,
+    calibrate,
+    final_hidden,
+    open_source,
+    output_head,
+    peak_rss_bytes,
+)
 from ._stats import (
     GRAM_SUFFIX,
     CalibrationError,
@@ -52,4 +68,20 @@ __all__ = [
     "whitened_spectrum",
     "whitened_svd",
     "whitening",
+    # making statistics: text, tokens, the layer-by-layer forward
+    "DEFAULT_SAMPLES",
+    "DEFAULT_SEQ_LEN",
+    "CalibrationReport",
+    "ModelSource",
+    "calibrate",
+    "final_hidden",
+    "open_source",
+    "output_head",
+    "peak_rss_bytes",
+    "read_texts",
+    "token_stream",
+    "token_windows",
+    # judging by function
+    "EvalResult",
+    "evaluate",
 ]

@@ -1,0 +1,291 @@
+"""The layer-by-layer numpy forward behind ``calibrate`` and ``eval``.
+
+All calibration sequences advance through the decoder one layer at a time: the layer's
+weights are loaded (a theta checkpoint's projections rebuilt), the hidden states of every
+sequence pass through it in batches, and the layer is dropped before the next is loaded. So
+the memory is one layer's weights, the hidden states ``[n, T, hidden]`` and, when
+calibrating, one layer's grams (written to the statistics file as each layer finishes).
+
+The math is :mod:`attnquant_core.llama_reference`'s (Llama family: Llama 2/3, Mistral,
+Qwen2/3 without sliding windows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import llama_reference as ref
+from ._stats import CalibrationError, StatsWriter
+
+__all__ = [
+    "CalibrationReport",
+    "ModelSource",
+    "calibrate",
+    "final_hidden",
+    "open_source",
+    "peak_rss_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Projections of one Llama layer, in the order their grams are written.
+LAYER_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """A checkpoint as the forward reads it: config, keys, and one tensor at a time.
+
+    ``get`` returns the stored array (a theta checkpoint's projection is rebuilt dense).
+    """
+
+    path: Path
+    config: dict
+    keys: frozenset[str]
+    get: Callable[[str], np.ndarray]
+    prefix: str = "model"
+    theta: bool = False
+
+    def has_key(self, key: str) -> bool:
+        return key in self.keys
+
+    @property
+    def num_layers(self) -> int:
+        return ref.num_layers(self.config, self.has_key, self.prefix)
+
+
+def _prefix(stack: str) -> str:
+    """``model.layers`` (core's name of the layer stack) -> ``model`` (the reference's prefix)."""
+    return stack[: -len(".layers")] if stack.endswith(".layers") else stack
+
+
+def open_source(path: str | Path) -> ModelSource:
+    """Open a dense or theta checkpoint directory for the numpy forward.
+
+    A theta checkpoint is read through core's public API: the stock keys are its
+    ``ThetaCheckpoint.stock_keys()``, each projection is rebuilt with ``rebuild``.
+    """
+    from attnquant_core import (
+        ThetaCheckpoint,
+        is_theta_checkpoint,
+        open_checkpoint,
+        parse_projection_key,
+    )
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CalibrationError(f"{config_file}: missing; the numpy forward needs config.json")
+    config = json.loads(config_file.read_text())
+    if is_theta_checkpoint(path):
+        theta = ThetaCheckpoint.open(path)
+        stock = frozenset(theta.stock_keys())
+        copied = set(theta.copied_keys())
+
+        def get_theta(key: str) -> np.ndarray:
+            if key in copied:
+                return theta.tensors.get(key)
+            parsed = parse_projection_key(key)
+            if parsed is None or parsed[2] not in theta.families:
+                raise CalibrationError(f"{path}: no {key!r}")
+            return theta.rebuild(parsed[2], parsed[1])
+
+        return ModelSource(
+            path=path, config=config, keys=stock, get=get_theta, prefix=_prefix(theta.stack), theta=True
+        )
+    ckpt = open_checkpoint(path)
+    return ModelSource(
+        path=path, config=config, keys=frozenset(ckpt.keys()), get=ckpt.get, prefix=_prefix(ckpt.stack)
+    )
+
+
+def _layer_weights(source: ModelSource, layer: int, dtype: np.dtype) -> dict[str, np.ndarray]:
+    stem = f"{source.prefix}.layers.{layer}."
+    return {k: np.asarray(source.get(k), dtype=dtype) for k in source.keys if k.startswith(stem)}
+
+
+def _batches(n: int, batch: int) -> Iterator[slice]:
+    for start in range(0, n, batch):
+        yield slice(start, min(n, start + batch))
+
+
+def _forward_layers(
+    source: ModelSource,
+    windows: np.ndarray,
+    *,
+    dtype: np.dtype,
+    batch: int,
+    capture: ref.Capture | None = None,
+    after_layer: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
+    """Hidden states ``[n, T, hidden]`` after the last layer (before the final norm).
+
+    ``capture`` sees each projection's input, batch by batch; ``after_layer(done, total)`` is
+    called when every window has passed layer ``done - 1``.
+    """
+    config = source.config
+    spec = ref.llama_spec(config)
+    windows = np.asarray(windows, dtype=np.int64)
+    if windows.ndim != 2 or not windows.size:
+        raise CalibrationError("token windows must be a non-empty [n, T] array")
+    embed_key = f"{source.prefix}.embed_tokens.weight"
+    if not source.has_key(embed_key):
+        raise ref.ReferenceConfigError(f"{source.path}: no {embed_key!r}")
+    embed = source.get(embed_key)
+    if windows.min() < 0 or windows.max() >= embed.shape[0]:
+        raise CalibrationError(f"token ids outside 0..{embed.shape[0] - 1} of {embed_key!r}")
+    h = np.asarray(embed[windows], dtype=dtype)
+    del embed
+    cos, sin = ref.rope_tables(config, spec, windows.shape[1], dtype)
+    num_layers = source.num_layers
+    for layer in range(num_layers):
+        weights = _layer_weights(source, layer, dtype)
+
+        def get(key: str, weights: dict = weights) -> np.ndarray:
+            if key not in weights:
+                raise ref.ReferenceConfigError(f"{source.path}: no {key!r}")
+            return weights[key]
+
+        stem = f"{source.prefix}.layers.{layer}"
+        for rows in _batches(len(h), batch):
+            h[rows] = ref.llama_layer(
+                spec, get, weights.__contains__, stem, h[rows], cos, sin, capture=capture
+            )
+        del weights
+        if after_layer is not None:
+            after_layer(layer + 1, num_layers)
+    return h
+
+
+def final_hidden(
+    source: ModelSource,
+    windows: np.ndarray,
+    *,
+    dtype: np.dtype | type = np.float32,
+    batch: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
+    """Final-normed hidden states ``[n, T, hidden]`` of ``windows``; logits are ``h @ head.T``."""
+    dt = np.dtype(dtype)
+    h = _forward_layers(source, windows, dtype=dt, batch=batch, after_layer=progress)
+    norm = np.asarray(source.get(f"{source.prefix}.norm.weight"), dtype=dt)
+    return ref._rms_norm(h, norm, ref.llama_spec(source.config).eps)
+
+
+def output_head(source: ModelSource, dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """``lm_head.weight`` ``[vocab, hidden]``, or the tied embedding."""
+    _, head = ref.llama_head(
+        source.config,
+        lambda key: np.asarray(source.get(key), dtype=dtype),
+        source.has_key,
+        source.prefix,
+    )
+    return head
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationReport:
+    """What a calibration run did: tokens, sequences, grams written, peak memory."""
+
+    path: Path
+    tokens: int
+    sequences: int
+    seq_len: int
+    grams: int
+    peak_rss_bytes: int
+    skipped: list[str] = field(default_factory=list)
+
+
+def calibrate(
+    source: ModelSource,
+    windows: np.ndarray,
+    output: str | Path,
+    *,
+    dtype: np.dtype | type = np.float32,
+    stats_dtype: np.dtype | type = np.float32,
+    batch: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> CalibrationReport:
+    """Run ``windows`` ``[n, T]`` through ``source`` layer by layer and write every projection's
+    input gram ``sum_t x_t x_t^T`` (accumulated in float64) to ``output``.
+
+    The grams of layer ``l`` are written as soon as layer ``l`` has seen every window, so only
+    one layer's grams are held.
+    """
+    windows = np.asarray(windows, dtype=np.int64)
+    spec = ref.llama_spec(source.config)
+    inner = source.config.get("intermediate_size")
+    widths = {
+        "self_attn.o_proj": spec.n_heads * spec.head_dim,
+        "mlp.down_proj": int(inner) if inner else None,
+    }
+    shapes: dict[str, int] = {}
+    for layer in range(source.num_layers):
+        for name in LAYER_PROJECTIONS:
+            key = f"{source.prefix}.layers.{layer}.{name}.weight"
+            if not source.has_key(key):
+                raise ref.ReferenceConfigError(f"{source.path}: no {key!r}")
+            if widths.get(name, spec.hidden) is None:  # no intermediate_size in the config
+                widths[name] = int(np.shape(source.get(key))[1])
+            shapes[key] = int(widths.get(name) or spec.hidden)
+    tokens = int(windows.size)
+    # One gram per distinct input: q/k/v share one, gate/up share one (written under each key).
+    grams: dict[tuple[str, ...], np.ndarray] = {}
+
+    def capture(names: tuple[str, ...], x: np.ndarray) -> None:
+        flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        G = flat.T @ flat
+        del flat
+        if names in grams:
+            grams[names] += G
+        else:
+            grams[names] = G
+
+    with StatsWriter(output, shapes, tokens=tokens, dtype=stats_dtype) as writer:
+
+        def layer_done(done: int, total: int) -> None:
+            for names, G in grams.items():  # capture order is LAYER_PROJECTIONS order
+                for name in names:
+                    writer.write(f"{source.prefix}.layers.{done - 1}.{name}.weight", G)
+            grams.clear()
+            if progress is not None:
+                progress(done, total)
+
+        _forward_layers(
+            source,
+            windows,
+            dtype=np.dtype(dtype),
+            batch=batch,
+            capture=capture,
+            after_layer=layer_done,
+        )
+    return CalibrationReport(
+        path=Path(output),
+        tokens=tokens,
+        sequences=int(windows.shape[0]),
+        seq_len=int(windows.shape[1]),
+        grams=len(shapes),
+        peak_rss_bytes=peak_rss_bytes(),
+    )
