@@ -103,16 +103,26 @@ def build(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """The benchmark suite (slow, by hand): one results file, bench-results/results.json."""
+    """The benchmark suite (slow, by hand): one results file, bench-results/results.json.
+
+    ``nox -s bench`` runs every ``benchmarks/bench_*.py`` with its defaults. Names select
+    scripts and any other arguments go to each selected script, so options that only one script
+    knows need that script alone: ``nox -s bench -- bench_paths --repeats 12``.
+    """
     import json
 
     sync(session, "--all-packages", "--group", "bench")
     tmp = Path(session.create_tmp())
+    scripts = {s.stem: s for s in sorted((ROOT / "benchmarks").glob("bench_*.py"))}
+    chosen = [a for a in session.posargs if a in scripts]
+    extra = [a for a in session.posargs if a not in scripts]
+    if extra and len(chosen) != 1:
+        session.error(f"arguments {extra} need one script named before them, of {sorted(scripts)}")
     results = {}
-    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
-        out = tmp / f"{script.stem}.json"
-        session.run("python", str(script), "--out", str(out), *session.posargs, env=OFFLINE)
-        results[script.stem] = json.loads(out.read_text())
+    for name in chosen or scripts:
+        out = tmp / f"{name}.json"
+        session.run("python", str(scripts[name]), "--out", str(out), *extra, env=OFFLINE)
+        results[name] = json.loads(out.read_text())
     (ROOT / "bench-results").mkdir(exist_ok=True)
     target = ROOT / "bench-results" / "results.json"
     target.write_text(json.dumps(results, indent=2) + "\n")
