@@ -9,8 +9,9 @@ Builds a synthetic float32 checkpoint with Gemma-3-1B projection shapes (q 1024x
   ``sklearn.utils.extmath.randomized_svd`` at the same rank, oversampling and iterations.
 
 Run: ``uv run --all-packages --group bench python benchmarks/bench_decompose.py --layers 26 52``
-(or ``uv run nox -s bench``). Each side runs ``--repeats`` times in alternating order; the
-table shows medians and the JSON (``--out``) every run.
+(or ``uv run nox -s bench``). Each side runs ``--repeats`` times in paired ABBA order; the
+table shows medians, the SVD-time ratio with its paired-bootstrap interval
+(``attnquant_core.paired_ratio``) and the machine's load, and the JSON (``--out``) every run.
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[26, 52])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--workdir", type=Path, help="where the synthetic checkpoints go")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each side (medians)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="paired runs of each side (ABBA order)"
+    )
     parser.add_argument("--worker", choices=["ours", "sklearn"], help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
@@ -180,32 +183,36 @@ def main() -> None:
 
     import threadpoolctl
 
+    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
+
     blas = threadpoolctl.threadpool_info()
     rows = []
     for L in args.layers:
         work = Path(tempfile.mkdtemp(prefix=f"aq-bench-{L}-", dir=args.workdir))
-        runs: dict[str, list[dict]] = {"ours": [], "sklearn": []}
         try:
             largest = make_checkpoint(work / "src", L)
-            # Alternate the order across repeats so drift in machine load hits both sides.
-            for rep in range(args.repeats):
-                order = ("ours", "sklearn") if rep % 2 == 0 else ("sklearn", "ours")
-                for side in order:
-                    if side == "ours":
-                        shutil.rmtree(work / "theta", ignore_errors=True)
-                        argv = (
-                            "--worker",
-                            "ours",
-                            "--src",
-                            str(work / "src"),
-                            "--dst",
-                            str(work / "theta"),
-                        )
-                    else:
-                        argv = ("--worker", "sklearn", "--src", str(work / "src"))
-                    runs[side].append(_spawn(*argv))
+
+            def run_ours(work: Path = work) -> dict:
+                shutil.rmtree(work / "theta", ignore_errors=True)
+                return _spawn(
+                    "--worker", "ours", "--src", str(work / "src"), "--dst", str(work / "theta")
+                )
+
+            def run_sklearn(work: Path = work) -> dict:
+                return _spawn("--worker", "sklearn", "--src", str(work / "src"))
+
+            # Paired runs in ABBA order (each run its own process, so no warm-up to discard):
+            # drift in machine load hits both sides of a pair alike.
+            before = read_load()
+            paired = run_paired(run_ours, run_sklearn, pairs=args.repeats, warmup=0)
+            load = machine_load(before)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        runs = {"ours": list(paired.a), "sklearn": list(paired.b)}
+        ratios = {
+            key: paired_ratio([r[key] for r in paired.a], [r[key] for r in paired.b])
+            for key in ("svd_s", "wall_s")
+        }
         ours, ref = _median(runs["ours"]), _median(runs["sklearn"])
         budget = 300 + 4 * largest / 2**20
         rows.append(
@@ -217,8 +224,11 @@ def main() -> None:
                 "ours": ours,
                 "sklearn": ref,
                 "runs": runs,
-                "svd_time_ratio_ours_over_sklearn": ours["svd_s"] / ref["svd_s"],
-                "wall_ratio_ours_over_sklearn": ours["wall_s"] / ref["wall_s"],
+                "order": paired.order_string(),
+                "svd_time_ratio_ours_over_sklearn": ratios["svd_s"].to_json(),
+                "wall_ratio_ours_over_sklearn": ratios["wall_s"].to_json(),
+                "load": load.to_json(),
+                "load_summary": load.describe(),
                 "within_rss_budget": ours["peak_rss_mb"] < budget,
             }
         )
@@ -228,10 +238,15 @@ def main() -> None:
     )
     for r in rows:
         o, s = r["ours"], r["sklearn"]
+        svd = r["svd_time_ratio_ours_over_sklearn"]
         print(
             f"{r['layers']:>3} {o['wall_s']:>9.1f}s {o['svd_s']:>8.1f}s {s['wall_s']:>8.1f}s "
-            f"{s['svd_s']:>7.1f}s {r['svd_time_ratio_ours_over_sklearn']:>9.3f} {o['error']:>9.5f} "
+            f"{s['svd_s']:>7.1f}s {svd['ratio']:>9.3f} {o['error']:>9.5f} "
             f"{s['error']:>9.5f} {o['peak_rss_mb']:>7.0f}MB {r['rss_budget_mb']:>5.0f}MB"
+        )
+        print(
+            f"    svd ratio {svd['ratio']:.3f} [{svd['ci_low']:.3f}, {svd['ci_high']:.3f}] over "
+            f"{r['repeats']} pairs ({r['order']}); {r['load_summary']}"
         )
     result = {"benchmark": "decompose", "rank": RANK, "blocks": 1, "blas": blas, "rows": rows}
     if args.out:
