@@ -43,6 +43,7 @@ from ._ingraph import ThetaLlama3Model
 from ._weights import (
     ArrayWeights,
     check_state_keys,
+    expected_layer_type_keys,
     expected_llama_keys,
     expected_uniform_keys,
     rebuilt_weights,
@@ -83,8 +84,10 @@ class _WeightsMap:
 class _RebuildingLoadMixin:
     """Swap ``self.weights`` for the rebuilt state before the stock ``_load_state_dict``.
 
-    Only leftover theta keys are checked here: Gemma4 layers are not uniform
-    (global layers may share k and v), so no per-layer set is assumed.
+    Checked here, in Hugging Face names: a theta checkpoint rebuilds exactly its source's keys
+    (:func:`rebuilt_weights`), no theta key is left, and layers of one type hold the same
+    weights. Gemma 4's layers are alike only within a type (its global layers may have another
+    head size and share k and v), so the per-layer set is taken per ``layer_types`` entry.
     """
 
     weights: Any
@@ -95,7 +98,12 @@ class _RebuildingLoadMixin:
         weights, plan = rebuilt_weights(
             dict(self.weights.items()), self.pipeline_config, name=type(self).__name__
         )
-        check_state_keys(weights, (), model_path=plan.model_path)
+        text = _text_config(self.huggingface_config)
+        num_layers = int(getattr(text, "num_hidden_layers", 0) or plan.num_layers)
+        expected = expected_layer_type_keys(
+            weights.keys(), num_layers, getattr(text, "layer_types", None)
+        )
+        check_state_keys(weights, expected, model_path=plan.model_path)
         if plan.rebuilds:
             self.weights = _WeightsMap(weights, self.weights)
         return super()._load_state_dict()  # type: ignore[misc]

@@ -9,10 +9,12 @@ else.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 __all__ = [
@@ -20,7 +22,10 @@ __all__ = [
     "PATH_DESCRIPTIONS",
     "AttnquantConfig",
     "ConfigError",
+    "DeviceError",
+    "GPU_ONLY_ARCHITECTURES",
     "ServingPath",
+    "require_device",
     "require_implemented",
     "serving_path",
     "use_gemm_formulation",
@@ -292,3 +297,65 @@ def use_gemm_formulation(config: AttnquantConfig, accelerator_api: str) -> bool:
     # Decode (batch 1) is where serving spends its steps, and the custom op is 1.5-3.8x
     # faster there at every rank; GEMM wins only at r=4 with 16-row batches, by 1.19x.
     return config.rank > CUSTOM_OP_MAX_RANK
+
+
+# -- devices ------------------------------------------------------------------------------------
+
+#: Architectures MAX 26.7 serves on a GPU only, with the encodings its model config accepts
+#: (``SUPPORTED_ENCODINGS`` of ``max/pipelines/architectures/<arch>/model_config.py``). Every
+#: one of them is a GPU-only pipeline encoding (``max/pipelines/modeling/config_enums.py``: on a
+#: CPU MAX runs float32 and the GGUF q4_k/q4_0/q6_k only), so MAX refuses these models on a
+#: CPU, with "quantization_encoding of 'float32' not supported by MAX engine".
+GPU_ONLY_ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "Gemma3ForCausalLM": ("bfloat16",),
+    "Gemma3ForConditionalGeneration": ("bfloat16", "float8_e4m3fn"),
+    "Gemma4ForConditionalGeneration": ("bfloat16", "float16", "float4_e2m1fnx2"),
+}
+
+
+class DeviceError(ValueError):
+    """The model cannot be served by MAX on the devices asked for (Gemma on a CPU)."""
+
+
+def _architecture(model_path: str | os.PathLike[str]) -> str | None:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return str((config.get("architectures") or [None])[0] or "") or None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None  # no readable config: MAX or the checkpoint reader says what is wrong
+
+
+def require_device(
+    model_path: str | os.PathLike[str],
+    devices: str = "cpu",
+    quantization_encoding: str | None = None,
+) -> None:
+    """Fail, saying why, when MAX 26.7 cannot serve ``model_path`` on ``devices``.
+
+    Gemma 3 and Gemma 4 (:data:`GPU_ONLY_ARCHITECTURES`) run on a GPU only; asked for a CPU
+    MAX stops with an encoding error that does not say so. Other architectures pass
+    unchecked. Reads ``config.json`` only: nothing of MAX is imported.
+
+    Raises
+    ------
+    DeviceError
+        Naming the checkpoint, the architecture, why MAX needs a GPU for it, and what works.
+    """
+    arch = _architecture(model_path)
+    if arch not in GPU_ONLY_ARCHITECTURES:
+        return
+    encodings = GPU_ONLY_ARCHITECTURES[arch]
+    where = f"{model_path}: {arch}"
+    if devices.strip().lower().startswith("cpu"):
+        raise DeviceError(
+            f"{where} needs a GPU in MAX 26.7: MAX serves it only in "
+            f"{', '.join(encodings)}, encodings that MAX runs on GPUs only (on a CPU it runs "
+            "float32, which MAX's Gemma models do not accept). Pass --devices gpu on a machine "
+            "with a GPU. On this CPU, decompose, analyze and export work on Gemma checkpoints, "
+            "and attnquant_core.gemma_reference computes Gemma 3 logits in numpy."
+        )
+    if quantization_encoding is not None and quantization_encoding not in encodings:
+        raise DeviceError(
+            f"{where}: MAX 26.7 serves it in {', '.join(encodings)} only, not "
+            f"{quantization_encoding!r}; leave the encoding unset (MAX picks bfloat16)"
+        )

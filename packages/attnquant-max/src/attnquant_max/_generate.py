@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._config import AttnquantConfig, require_implemented
+from ._config import AttnquantConfig, require_device, require_implemented
 from ._serve import architectures_path
 from ._weights import config_override
 
@@ -104,6 +104,7 @@ def load_pipeline(
     """
     effective = AttnquantConfig.from_env() if config is None else config
     require_implemented(effective)
+    require_device(model_path, devices, quantization_encoding)  # Gemma on a CPU: say why
     if quantization_encoding is None and devices == "cpu":
         quantization_encoding = "float32"
     from max.pipelines import AutoModel, AutoTokenizer

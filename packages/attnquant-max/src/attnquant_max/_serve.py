@@ -15,7 +15,7 @@ from pathlib import Path
 
 from attnquant_core import AttnquantError
 
-from ._config import AttnquantConfig, require_implemented
+from ._config import AttnquantConfig, require_device, require_implemented
 
 __all__ = [
     "PortInUseError",
@@ -82,6 +82,7 @@ def serve_command(
 
     Run it with :func:`serve_env` as its environment.
     """
+    require_device(model_path, devices, quantization_encoding)  # Gemma on a CPU: say why
     if quantization_encoding is None and devices == "cpu":
         quantization_encoding = "float32"
     argv = [

@@ -20,10 +20,11 @@ only ``max.graph.weights`` and ``max.driver``.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import numpy as np
 
 from attnquant_core import (
     FAMILIES,
+    MANIFEST_FILE,
     CheckpointError,
     FamilyTheta,
     ThetaCheckpoint,
@@ -58,8 +60,10 @@ __all__ = [
     "ServingPlan",
     "ThetaWeightAdapter",
     "WeightKeyError",
+    "check_source_keys",
     "check_state_keys",
     "config_override",
+    "expected_layer_type_keys",
     "expected_llama_keys",
     "log_serving_path",
     "model_directory",
@@ -359,19 +363,54 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
             config=config,
             **how,
         )
-    ckpt = open_checkpoint(path)
     blocks = "layers" if config.blocks is None else config.blocks
     rank = 0 if blocks == "layers" else config.rank
+    unchanged = blocks == "layers" and how["path"] == "precompute-outside" and not config.quant
+    num_layers = _dense_num_layers(path, passthrough=unchanged)
     _check_custom_op_rank(how["path"], rank, path)
     return ServingPlan(
         model_path=path,
         source="dense",
         blocks=blocks,
         rank=rank,
-        num_layers=ckpt.num_layers,
+        num_layers=num_layers,
         config=config,
         **how,
     )
+
+
+def _text_config_json(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config.get("text_config") or config if isinstance(config, dict) else {}
+
+
+def _dense_num_layers(path: Path, *, passthrough: bool) -> int:
+    """``L`` of a dense checkpoint, its families checked by core.
+
+    Gemma 4 31B's global layers have their own head size and no ``v_proj``
+    (``global_head_dim``, ``attention_k_eq_v``), so its projection families are not one shape
+    across layers and core refuses to decompose it. Served unchanged at passthrough it needs
+    no decomposition: then ``L`` is read from ``config.json`` instead.
+    """
+    try:
+        return open_checkpoint(path).num_layers
+    except CheckpointError:
+        text = _text_config_json(path)
+        head_dim, global_head_dim = text.get("head_dim"), text.get("global_head_dim")
+        mixed = bool(text.get("attention_k_eq_v")) or (
+            global_head_dim is not None and global_head_dim != head_dim
+        )
+        if not (passthrough and mixed and isinstance(text.get("num_hidden_layers"), int)):
+            raise
+        logger.info(
+            "%s: layers of different shapes (Gemma 4 global layers); served unchanged at "
+            "passthrough. Decomposing it (G < L) is not supported yet.",
+            path,
+        )
+        return int(text["num_hidden_layers"])
 
 
 def _check_custom_op_rank(path: str, rank: int, model_path: Path) -> None:
@@ -517,6 +556,75 @@ def expected_uniform_keys(keys: Iterable[str], num_layers: int) -> set[str]:
     return out
 
 
+def expected_layer_type_keys(
+    keys: Iterable[str], num_layers: int, layer_types: Sequence[str] | None = None
+) -> set[str]:
+    """Keys a decoder stack needs when layers of one type are alike, inferred from ``keys``.
+
+    Gemma 4's global layers differ from its sliding ones (another head size, no ``v_proj``
+    when ``attention_k_eq_v``), so the layers are grouped by ``layer_types`` (the text
+    config's; one group when ``None``) and every weight seen in a layer of a group is expected
+    in every layer of that group, ``0 .. num_layers-1``. Global keys are taken as they are.
+    """
+    if layer_types is not None and len(layer_types) != num_layers:
+        layer_types = None
+    kind = (lambda i: layer_types[i]) if layer_types is not None else (lambda i: "")
+    suffixes: dict[tuple[str, str], set[str]] = {}
+    for key in keys:
+        m = _LAYER.match(key)
+        if m is None or _is_attnquant_key(key) or int(m["layer"]) >= num_layers:
+            continue
+        suffixes.setdefault((m["stack"], kind(int(m["layer"]))), set()).add(m["rest"])
+    stacks = {stack for stack, _ in suffixes}
+    return {
+        f"{stack}.{i}.{rest}"
+        for stack in stacks
+        for i in range(num_layers)
+        for rest in suffixes.get((stack, kind(i)), ())
+    }
+
+
+def source_keys(model_path: str | Path) -> set[str] | None:
+    """The dense keys of the checkpoint a theta checkpoint was decomposed from, as its
+    ``attnquant.json`` records them (``source.digests``); ``None`` when not recorded."""
+    try:
+        manifest = json.loads((Path(model_path) / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    digests = (manifest.get("source") or {}).get("digests")
+    return set(digests) if isinstance(digests, dict) and digests else None
+
+
+def check_source_keys(state: Mapping[str, Any], model_path: str | Path) -> None:
+    """Fail unless the rebuilt ``state`` of a theta checkpoint has exactly its source's keys.
+
+    A tensor dropped from a theta checkpoint (a norm, the embedding) would otherwise reach a
+    stock loader that zero-fills it, or fail deep inside MAX; a key the source did not have
+    would be ignored. Skipped when the manifest records no source.
+
+    Raises
+    ------
+    WeightKeyError
+        Listing every missing and every unexpected key.
+    """
+    expected = source_keys(model_path)
+    if expected is None:
+        return
+    missing = expected - state.keys()
+    extra = {key for key in state.keys() - expected if not _is_attnquant_key(key)}
+    if not missing and not extra:
+        return
+    parts = []
+    if missing:
+        parts.append(
+            f"{len(missing)} tensor(s) of the source checkpoint are not in this theta "
+            f"checkpoint (the stock MAX loader would serve them as zeros): {_listed(missing)}"
+        )
+    if extra:
+        parts.append(f"{len(extra)} tensor(s) the source checkpoint did not have: {_listed(extra)}")
+    raise WeightKeyError(f"{model_path}: " + "; ".join(parts))
+
+
 def check_state_keys(
     state: Mapping[str, Any],
     expected: Iterable[str],
@@ -604,7 +712,10 @@ def rebuilt_weights(
         return {key: ArrayWeights(key, array) for key, array in plan.theta_state()}, plan
     if not plan.rebuilds:
         return dict(state_dict), plan
-    return {key: ArrayWeights(key, array) for key, array in plan.state()}, plan
+    weights = {key: ArrayWeights(key, array) for key, array in plan.state()}
+    if plan.source == "theta":
+        check_source_keys(weights, plan.model_path)
+    return weights, plan
 
 
 @dataclass(frozen=True)

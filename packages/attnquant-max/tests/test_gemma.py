@@ -1,0 +1,329 @@
+"""Gemma 3 and Gemma 4 through attnquant-max on the CPU, without building a MAX graph.
+
+MAX 26.7 serves Gemma on a GPU only, so what runs here is everything before the graph: the
+weights our architectures hand MAX (compared, key for key and bit for bit, with what MAX's
+stock adapters make of the dense checkpoint), the refusals of broken theta checkpoints, and
+the plain "needs a GPU" error a CPU user gets. No graph is built or compiled, nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from attnquant_core import BandMismatchError, ThetaFormatError, decompose_checkpoint
+from attnquant_core.tiny_gemma import (
+    write_tiny_gemma3,
+    write_tiny_gemma3_conditional,
+    write_tiny_gemma4,
+)
+from attnquant_max import AttnquantConfig, WeightKeyError, config_override, plan_serving
+from attnquant_max._config import GPU_ONLY_ARCHITECTURES, DeviceError, require_device
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+ARCHS = ["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration"]
+WRITERS: dict[str, Callable[..., Path]] = {
+    "Gemma3ForCausalLM": write_tiny_gemma3,
+    "Gemma3ForConditionalGeneration": write_tiny_gemma3_conditional,
+    # Uniform layers: core decomposes them (the 31B shape is checked at passthrough below).
+    "Gemma4ForConditionalGeneration": lambda path: write_tiny_gemma4(
+        path, global_head_dim=16, num_global_key_value_heads=None, attention_k_eq_v=False
+    ),
+}
+STACKS = {
+    "Gemma3ForCausalLM": "model.layers",
+    "Gemma3ForConditionalGeneration": "language_model.model.layers",
+    "Gemma4ForConditionalGeneration": "model.language_model.layers",
+}
+
+
+@pytest.fixture(scope="module")
+def max_archs() -> dict[str, Any]:
+    from attnquant_max._architectures import ARCHITECTURES
+
+    return {arch.name: arch for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma")
+    return {name: WRITERS[name](root / name / "dense") for name in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def passthrough(dense: dict[str, Path]) -> dict[str, Path]:
+    out = {}
+    for name, path in dense.items():
+        out[name] = path.parent / "theta_passthrough"
+        decompose_checkpoint(path, out[name], blocks="layers", rank=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def banded(dense: dict[str, Path]) -> dict[str, Path]:
+    out = {}
+    for name, path in dense.items():
+        out[name] = path.parent / "theta_g2"
+        decompose_checkpoint(path, out[name], blocks=2, rank=4)
+    return out
+
+
+# -- what MAX is handed ---------------------------------------------------------------------
+
+
+def _weights(path: Path) -> Any:
+    from max.graph.weights import load_weights
+
+    return load_weights(sorted(path.glob("*.safetensors")))
+
+
+def _hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def _pipeline_config(path: Path) -> SimpleNamespace:
+    """The part of MAX's ``PipelineConfig`` a load reads: the path and the Hugging Face config."""
+    return SimpleNamespace(
+        model=SimpleNamespace(model_path=str(path), huggingface_config=_hf_config(path))
+    )
+
+
+def _raw(weight_data: Any) -> tuple[str, tuple[int, ...], bytes]:
+    """dtype, shape and bytes of a MAX ``WeightData``."""
+    from max.driver import Buffer
+    from max.dtype import DType
+
+    shape = tuple(int(d) for d in weight_data.shape)
+    data = weight_data.data
+    buffer = data if isinstance(data, Buffer) else Buffer.from_dlpack(data)
+    size = int(np.prod(shape, dtype=np.int64)) * weight_data.dtype.size_in_bytes
+    raw = np.from_dlpack(buffer.view(DType.uint8, [size])).tobytes()
+    return str(weight_data.dtype), shape, raw
+
+
+def _assert_same(ours: dict[str, Any], stock: dict[str, Any]) -> None:
+    assert sorted(ours) == sorted(stock)
+    for key in stock:
+        assert _raw(ours[key]) == _raw(stock[key]), key
+
+
+def _stock_state(name: str, max_archs: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What MAX 26.7's stock architecture makes of the checkpoint at ``path``."""
+    if name == "Gemma3ForCausalLM":
+        from max.pipelines.architectures.gemma3 import weight_adapters
+
+        return weight_adapters.convert_safetensor_state_dict(dict(_weights(path).items()))
+    from max.pipelines.architectures.gemma3multimodal import Gemma3_MultiModalModel as G3
+    from max.pipelines.architectures.gemma4 import Gemma3_MultiModalModel as G4
+
+    return _load_language(G3 if name.startswith("Gemma3") else G4, path, path)
+
+
+def _load_language(cls: type, weights_path: Path, model_path: Path) -> dict[str, Any]:
+    """The language weights ``cls._load_state_dict`` sets, on an instance built without
+    ``__init__`` (which would compile nothing but needs a device): only what the load reads."""
+    model = cls.__new__(cls)
+    model.weights = _weights(weights_path)
+    model.pipeline_config = _pipeline_config(model_path)
+    model.max_batch_size = 1
+    model._load_state_dict()
+    return model._language_weights_dict
+
+
+def _our_state(name: str, max_archs: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What our architecture of the same name hands MAX for the checkpoint at ``path``."""
+    arch = max_archs[name]
+    if name == "Gemma3ForCausalLM":
+        from max.graph.weights import WeightsFormat
+
+        adapter = arch.weight_adapters[WeightsFormat.safetensors]
+        return adapter(
+            dict(_weights(path).items()),
+            huggingface_config=_hf_config(path),
+            pipeline_config=_pipeline_config(path),
+        )
+    return _load_language(arch.pipeline_model, path, path)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_passthrough_hands_max_what_the_stock_adapter_makes(
+    name: str, max_archs: dict[str, Any], dense: dict[str, Path], passthrough: dict[str, Path]
+) -> None:
+    stock = _stock_state(name, max_archs, dense[name])
+    assert stock, "the stock adapter kept nothing"
+    with config_override(AttnquantConfig()):
+        _assert_same(_our_state(name, max_archs, passthrough[name]), stock)
+        _assert_same(_our_state(name, max_archs, dense[name]), stock)  # dense, unchanged
+    if name == "Gemma4ForConditionalGeneration":  # and after MAX's q/k/v, gate/up fusion
+        from max.pipelines.architectures.gemma4.weight_adapters import (
+            fuse_gemma4_projection_weights,
+        )
+
+        with config_override(AttnquantConfig()):
+            ours = _our_state(name, max_archs, passthrough[name])
+        _assert_same(fuse_gemma4_projection_weights(ours), fuse_gemma4_projection_weights(stock))
+
+
+def test_gemma4_31b_shape_at_passthrough_is_handed_over_unchanged(
+    max_archs: dict[str, Any], tmp_path: Path
+) -> None:
+    """Global layers with their own head size and no v_proj are not taken for missing keys."""
+    path = write_tiny_gemma4(tmp_path / "g4")
+    name = "Gemma4ForConditionalGeneration"
+    stock = _stock_state(name, max_archs, path)
+    assert "layers.1.self_attn.v_proj.weight" not in stock
+    with config_override(AttnquantConfig()):
+        _assert_same(_our_state(name, max_archs, path), stock)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_banded_theta_is_rebuilt_before_the_stock_adapter(
+    name: str, max_archs: dict[str, Any], dense: dict[str, Path], banded: dict[str, Path]
+) -> None:
+    stock = _stock_state(name, max_archs, dense[name])
+    with config_override(AttnquantConfig()):
+        ours = _our_state(name, max_archs, banded[name])
+        rebuilt = dict(plan_serving(banded[name]).state())
+    assert sorted(ours) == sorted(stock)
+    projections = [k for k in stock if k.endswith("q_proj.weight")]
+    assert projections and any(_raw(ours[k]) != _raw(stock[k]) for k in projections)
+    # The projection MAX gets is the rebuilt W_eff, in the source dtype.
+    key = f"{STACKS[name]}.0.self_attn.q_proj.weight"
+    assert rebuilt[key].dtype.name == "bfloat16"
+    max_key = next(k for k in ours if k.endswith("layers.0.self_attn.q_proj.weight"))
+    assert _raw(ours[max_key])[2] == np.ascontiguousarray(rebuilt[key]).tobytes()
+
+
+# -- what is refused --------------------------------------------------------------------------
+
+
+def _drop(directory: Path, key: str) -> None:
+    for file in directory.glob("*.safetensors"):
+        tensors = safetensors.numpy.load_file(file)
+        if key in tensors:
+            del tensors[key]
+            safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
+            return
+    raise KeyError(key)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_wrong_blocks_is_refused_naming_the_layers(
+    name: str, max_archs: dict[str, Any], banded: dict[str, Path]
+) -> None:
+    with config_override(AttnquantConfig(blocks=1)), pytest.raises(BandMismatchError) as info:
+        _our_state(name, max_archs, banded[name])
+    assert "layer 2" in str(info.value) or "layers" in str(info.value)
+    assert "ATTNQUANT_BLOCKS" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_missing_tensor_is_refused_naming_it(
+    name: str, max_archs: dict[str, Any], banded: dict[str, Path], tmp_path: Path
+) -> None:
+    broken = shutil.copytree(banded[name], tmp_path / "broken")
+    missing = f"{STACKS[name]}.2.post_feedforward_layernorm.weight"
+    _drop(broken, missing)
+    with config_override(AttnquantConfig()), pytest.raises(WeightKeyError) as info:
+        _our_state(name, max_archs, broken)
+    assert missing in str(info.value) and "zeros" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_missing_theta_tensor_is_refused_naming_the_layer(
+    name: str, max_archs: dict[str, Any], banded: dict[str, Path], tmp_path: Path
+) -> None:
+    broken = shutil.copytree(banded[name], tmp_path / "broken")
+    _drop(broken, f"{STACKS[name]}.3.mlp.up_proj.theta_V")
+    with config_override(AttnquantConfig()), pytest.raises(BandMismatchError) as info:
+        _our_state(name, max_archs, broken)
+    assert "mlp.up_proj layer 3" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_leftover_theta_keys_are_refused_naming_them(
+    name: str, max_archs: dict[str, Any], banded: dict[str, Path], tmp_path: Path
+) -> None:
+    """Theta keys the manifest does not describe (a family dropped from attnquant.json), or
+    theta keys in a checkpoint that lost its attnquant.json, are refused by name."""
+    broken = shutil.copytree(banded[name], tmp_path / "broken")
+    manifest = json.loads((broken / "attnquant.json").read_text())
+    del manifest["families"]["mlp.up_proj"]
+    (broken / "attnquant.json").write_text(json.dumps(manifest))
+    with config_override(AttnquantConfig()), pytest.raises(ThetaFormatError) as info:
+        _our_state(name, max_archs, broken)
+    assert f"{STACKS[name]}.1.mlp.up_proj.theta_s" in str(info.value)
+    (broken / "attnquant.json").unlink()
+    with config_override(AttnquantConfig()), pytest.raises(WeightKeyError) as info:
+        _our_state(name, max_archs, broken)
+    assert f"{STACKS[name]}.0.self_attn.k_proj.theta_U" in str(info.value)  # listed by name
+    assert "no attnquant.json" in str(info.value)
+
+
+def test_dense_gemma4_missing_a_layer_weight_is_refused(
+    max_archs: dict[str, Any], tmp_path: Path
+) -> None:
+    path = write_tiny_gemma4(tmp_path / "g4")
+    _drop(path, "model.language_model.layers.3.self_attn.k_norm.weight")
+    with config_override(AttnquantConfig()), pytest.raises(WeightKeyError, match=r"layers\.3\."):
+        _our_state("Gemma4ForConditionalGeneration", max_archs, path)
+
+
+# -- devices ------------------------------------------------------------------------------------
+
+
+def test_gpu_only_table_is_max_s(max_archs: dict[str, Any]) -> None:
+    """Every Gemma architecture we register is in the table, with MAX's own encodings, and
+    MAX runs none of those encodings on a CPU."""
+    from max.pipelines.modeling.config_enums import supported_encoding_supported_devices
+
+    gemma = {name for name in max_archs if name.startswith("Gemma")}
+    assert gemma == set(GPU_ONLY_ARCHITECTURES)
+    for name, encodings in GPU_ONLY_ARCHITECTURES.items():
+        assert set(max_archs[name].supported_encodings) == set(encodings), name
+        for encoding in encodings:
+            assert "cpu" not in supported_encoding_supported_devices(encoding), encoding
+    for name in set(max_archs) - gemma:  # and Llama does run on a CPU
+        assert "float32" in max_archs[name].supported_encodings
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_gemma_on_a_cpu_says_it_needs_a_gpu(name: str, dense: dict[str, Path]) -> None:
+    with pytest.raises(DeviceError) as info:
+        require_device(dense[name], "cpu")
+    message = str(info.value)
+    assert name in message and "needs a GPU in MAX 26.7" in message
+    assert "bfloat16" in message and "float32" in message
+    require_device(dense[name], "gpu")  # asked for a GPU: MAX decides
+    with pytest.raises(DeviceError, match="not 'float32'"):
+        require_device(dense[name], "gpu", "float32")
+
+
+def test_load_pipeline_and_serve_command_refuse_gemma_on_a_cpu(dense: dict[str, Path]) -> None:
+    from attnquant_max import load_pipeline, serve_command
+
+    path = dense["Gemma3ForCausalLM"]
+    with pytest.raises(DeviceError, match="needs a GPU"):
+        load_pipeline(path, max_length=64)
+    with pytest.raises(DeviceError, match="needs a GPU"):
+        serve_command(path, port=8000)
+    assert "--devices" in serve_command(path, port=8000, devices="gpu")
+
+
+def test_llama_is_not_refused(tmp_path: Path) -> None:
+    from attnquant_max.testing import write_tiny_llama
+
+    require_device(write_tiny_llama(tmp_path / "llama"), "cpu")
+    require_device(tmp_path / "nowhere", "cpu")  # no config: left to the loader
