@@ -31,9 +31,11 @@ from attnquant_core import (
     decompose_checkpoint,
 )
 
+from ._calibrate import calibrate
 from ._check import check
 from ._console import Output
 from ._demo import demo_model_path
+from ._eval import evaluate_command
 from ._prompts import VERIFY_PROMPTS
 
 if TYPE_CHECKING:
@@ -52,6 +54,8 @@ app = typer.Typer(
 console = Output(stderr=True)
 out = Output()
 app.command()(check)  # attnquant check CKPT: tensor digests (_check.py)
+app.command()(calibrate)  # attnquant calibrate CKPT -o STATS: input grams (_calibrate.py)
+app.command(name="eval")(evaluate_command)  # attnquant eval BASE [THETA...] (_eval.py)
 
 JsonFlag = Annotated[
     bool,
