@@ -1,0 +1,89 @@
+"""The command line on a tiny Gemma 3 (bf16, made in numpy): what works on a CPU does, and what
+MAX serves on a GPU only says so in one line, before MAX is started. No graph is compiled."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnquant_cli import cli
+from attnquant_core import ThetaCheckpoint, open_checkpoint
+from attnquant_core.gemma_reference import gemma3_logits
+from attnquant_core.tiny_gemma import write_tiny_gemma3
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "dense", tokenizer=True)
+
+
+def _state(path: Path) -> dict[str, np.ndarray]:
+    ckpt = open_checkpoint(path)
+    return {key: ckpt.get(key) for key in ckpt.keys()}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--blocks", "layers", "--rank", "0"], ["--blocks", "2", "--rank", "4"], ["--budget", "0.5"]],
+    ids=["passthrough", "G2r4", "budget"],
+)
+def test_decompose_gemma3(gemma3: Path, tmp_path: Path, args: list[str], capsys) -> None:
+    out = tmp_path / "theta"
+    assert cli(["decompose", str(gemma3), "-o", str(out), *args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["stored_parameters"] > 0
+    rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
+    source = _state(gemma3)
+    assert rebuilt.keys() == source.keys()
+    assert all(rebuilt[k].dtype == source[k].dtype for k in source)
+    if args[1] == "layers":
+        assert all(rebuilt[k].tobytes() == source[k].tobytes() for k in source)
+    for side in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (out / side).exists()
+
+
+def test_decompose_align_at_passthrough_gemma3(gemma3: Path, tmp_path: Path, capsys) -> None:
+    """--align at passthrough: aligned (G = 1), then exact; the bf16 round-off is said."""
+    out = tmp_path / "theta"
+    argv = ["decompose", str(gemma3), "-o", str(out), "--blocks", "layers", "--rank", "0"]
+    assert cli([*argv, "--align"]) == 0
+    err = capsys.readouterr().err
+    assert "round-off" in err
+    config = json.loads((gemma3 / "config.json").read_text())
+    ids = [5, 17, 200, 3, 99, 42, 7, 250, 1, 64, 128, 31]
+    rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
+    moved = np.abs(gemma3_logits(config, rebuilt, ids) - gemma3_logits(config, _state(gemma3), ids))
+    assert moved.max() < 5e-2
+
+
+def test_analyze_gemma3(gemma3: Path, tmp_path: Path) -> None:
+    out = tmp_path / "analyze"
+    argv = ["analyze", str(gemma3), "--blocks", "1,2,layers", "--rank", "0,4", "-o", str(out)]
+    assert cli(argv) == 0
+    assert (out / "analyze.csv").exists() and (out / "analyze.json").exists()
+
+
+def test_export_nvfp4_gemma3(gemma3: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "fp4"
+    assert cli(["export", str(gemma3), "-o", str(out), "--format", "nvfp4", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["quantized"] == 7 * 4  # every projection of the 4 layers
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["quantization_config"]["quant_algo"] == "NVFP4"
+
+
+@pytest.mark.parametrize("command", ["generate", "verify", "serve"])
+def test_gemma_on_a_cpu_says_it_needs_a_gpu(gemma3: Path, command: str, capsys) -> None:
+    argv = {
+        "generate": ["generate", str(gemma3), "--prompt", "hi"],
+        "verify": ["verify", str(gemma3), str(gemma3)],
+        "serve": ["serve", str(gemma3), "--port", "18931"],
+    }[command]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "Gemma3ForCausalLM needs a GPU in MAX 26.7" in err
+    assert "not supported by MAX engine" not in err
