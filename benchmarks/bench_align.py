@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from attnquant_core import decompose_family, open_checkpoint
-    from attnquant_core._align import align_state
+    from attnquant_core.fit import align_state
     from attnquant_core.llama_reference import llama_logits
 
     if args.model is None:

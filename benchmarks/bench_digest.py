@@ -28,8 +28,7 @@ import numpy as np
 
 from attnquant_cli import demo_model_path
 from attnquant_core import ThetaCheckpoint, check_checkpoint, decompose_checkpoint
-from attnquant_core._checkpoint import read_tensor_directory
-from attnquant_core._safetensors_io import PlannedWriter, TensorSpec
+from attnquant_core.io import PlannedWriter, TensorSpec, read_tensor_directory
 
 ENV = "ATTNQUANT_VERIFY_DIGESTS"
 

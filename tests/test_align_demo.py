@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attnquant_core import open_checkpoint
-from attnquant_core._align import align_checkpoint, load_align_transforms, unalign_state
+from attnquant_core.fit import align_checkpoint, load_align_transforms, unalign_state
 from attnquant_core.llama_reference import llama_logits
 
 # '<|bos|>def ' followed by the model card's greedy continuation, then 'import os\n' ids.

@@ -9,7 +9,7 @@ import numpy as np
 
 from attnquant_cli import cli
 from attnquant_core import open_checkpoint
-from attnquant_core._safetensors_io import SafetensorsFiles
+from attnquant_core.io import SafetensorsFiles
 
 
 def test_export_demo_theta_to_nvfp4(demo, theta_dir, tmp_path, capsys):

@@ -392,7 +392,7 @@ def test_commands_that_load_refuse_a_corrupt_checkpoint_before_max(theta, capsys
 
 def test_every_written_tensor_has_a_digest(theta, tmp_path):
     from attnquant_core import DIGESTS_FILE
-    from attnquant_core._safetensors_io import SafetensorsFiles
+    from attnquant_core.io import SafetensorsFiles
 
     recorded = json.loads((theta / DIGESTS_FILE).read_text())["tensors"]
     stored = SafetensorsFiles.from_files([theta / "model.safetensors"]).keys()

@@ -18,8 +18,13 @@ import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnquant_core import DecompositionError, open_checkpoint
-from attnquant_core._align import (
+from attnquant_core import (
+    MANIFEST_FILE,
+    DecompositionError,
+    decompose_checkpoint,
+    open_checkpoint,
+)
+from attnquant_core.fit import (
     ALIGN_MANIFEST_FILE,
     ALIGN_TRANSFORMS_FILE,
     AlignError,
@@ -317,6 +322,42 @@ def test_align_checkpoint_writes_atomically_and_records_the_transforms(tmp_path)
     with pytest.raises(FileExistsError):
         align_checkpoint(src, out)
     align_checkpoint(src, out, overwrite=True)
+
+
+ALIGNED_RECORD = {
+    "applied": True,
+    "transforms": ALIGN_MANIFEST_FILE,
+    "note": "weights and source digests are those of the aligned copy; the same function",
+}
+
+
+@pytest.mark.parametrize("how", ["banded", "budget"])
+def test_decomposing_an_aligned_copy_records_it_in_the_manifest(tmp_path, how):
+    """``aligned_from=``: core writes the ``aligned`` entry and names the original as the source
+    (what ``decompose --align`` records), in one write, with the transforms beside it."""
+    config, state = tiny_llama(dtype=np.float32)
+    src = write_model(tmp_path / "src", config, state)
+    aligned = align_checkpoint(src, tmp_path / "aligned", rounds=2).path
+    out = tmp_path / "theta"
+    kw = {"budget": 0.5} if how == "budget" else {"blocks": 1, "rank": 2}
+    manifest = decompose_checkpoint(aligned, out, aligned_from=src, **kw)
+    assert manifest == json.loads((out / MANIFEST_FILE).read_text())
+    assert manifest["aligned"] == ALIGNED_RECORD
+    assert list(manifest)[-2:] == ["source", "aligned"]
+    assert manifest["source"]["path"] == str(src)
+    assert set(manifest["source"]["digests"]) == set(state)
+    assert (out / ALIGN_MANIFEST_FILE).is_file() and (out / ALIGN_TRANSFORMS_FILE).is_file()
+
+    plain = decompose_checkpoint(aligned, tmp_path / "plain", **kw)
+    assert "aligned" not in plain and plain["source"]["path"] == str(aligned)
+
+
+def test_aligned_from_refuses_a_copy_that_was_not_aligned(tmp_path):
+    config, state = tiny_llama(dtype=np.float32)
+    src = write_model(tmp_path / "src", config, state)
+    with pytest.raises(AlignError, match="not an aligned copy"):
+        decompose_checkpoint(src, tmp_path / "theta", rank=2, aligned_from=src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_align_checkpoint_failure_leaves_nothing(tmp_path):

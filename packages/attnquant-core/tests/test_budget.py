@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnquant_core as aq
-import attnquant_core._budget as budget_module
+import attnquant_core.fit._spectra as budget_module
 from attnquant_core import (
     DecompositionError,
     ThetaCheckpoint,

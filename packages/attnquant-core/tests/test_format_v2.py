@@ -144,7 +144,7 @@ def test_manifest_names_the_form_bands_and_ranks_of_every_family(mixed_dir):
     for name, fam in model.families.items():
         assert fams[name]["stored_parameters"] == fam.stored_parameters()
         assert fams[name]["dense_parameters"] == fam.dense_parameters()
-        assert fams[name]["stored_parameters"] == aq._format.stored_of(
+        assert fams[name]["stored_parameters"] == aq.io.stored_of(
             fams[name]["form"],
             fams[name]["shape"],
             fams[name]["ranks"],

@@ -21,7 +21,7 @@ from attnquant_core import (
     decompose_checkpoint,
     open_checkpoint,
 )
-from attnquant_core._safetensors_io import PlannedWriter, TensorSpec
+from attnquant_core.io import PlannedWriter, TensorSpec
 from attnquant_core.testing import make_weights, write_checkpoint
 
 

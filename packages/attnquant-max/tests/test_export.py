@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from attnquant_core import FAMILIES, ThetaCheckpoint
-from attnquant_core._safetensors_io import SafetensorsFiles
+from attnquant_core.io import SafetensorsFiles
 from attnquant_core.testing import make_weights, write_checkpoint
 from attnquant_max._export import HF_QUANT_CONFIG_FILE, ExportProgress, export_nvfp4
 from attnquant_max._nvfp4 import (

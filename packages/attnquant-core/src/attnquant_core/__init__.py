@@ -10,32 +10,13 @@ the identity::
 This package decomposes checkpoints (at fixed ``G``, ``r`` or at a global parameter budget),
 rebuilds and applies the identity, reads and writes theta checkpoints, and measures error
 against compression. It never imports MAX.
+
+Layout: :mod:`attnquant_core.forms` (the identity and the theta forms),
+:mod:`attnquant_core.io` (safetensors, checkpoints, the theta format, integrity) and
+:mod:`attnquant_core.fit` (SVD, per-layer fits, the budget, alignment, analysis), each
+depending only on those before it. Everything public is re-exported here.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-from ._align import (
-    ALIGN_MANIFEST_FILE,
-    ALIGN_TRANSFORMS_FILE,
-    AlignError,
-    AlignReport,
-    AlignTransforms,
-    align_checkpoint,
-    align_state,
-    load_align_transforms,
-    unalign_state,
-)
-from ._analysis import (
-    FamilyReport,
-    ModelReport,
-    SweepPoint,
-    SweepResult,
-    analyze_checkpoint,
-    relative_error,
-    stored_parameters,
-    sweep,
-)
-from ._bands import band_of_layers, band_sizes, resolve_blocks
 from ._benchstats import (
     EXIT_CODES,
     LoadReading,
@@ -51,26 +32,6 @@ from ._benchstats import (
     run_paired,
     unpaired_ratio,
 )
-from ._budget import (
-    BUDGET_EXACT_MAX_DIM,
-    BudgetReport,
-    FamilyChoice,
-    FrontierPoint,
-    budget_frontier,
-    check_budget,
-    decompose_budget,
-    fit_budget,
-)
-from ._checkpoint import FAMILIES, Checkpoint, FamilyInfo, open_checkpoint, parse_projection_key
-from ._decompose import (
-    FamilyErrors,
-    LayerFit,
-    SVDOptions,
-    decompose_family,
-    fit_layer,
-    pooled_error,
-    row_scale,
-)
 from ._errors import (
     AttnquantError,
     BandMismatchError,
@@ -79,31 +40,85 @@ from ._errors import (
     IntegrityError,
     ThetaFormatError,
 )
-from ._format import (
+from ._version import __version__
+from .fit import (
+    ALIGN_MANIFEST_FILE,
+    ALIGN_TRANSFORMS_FILE,
+    BUDGET_EXACT_MAX_DIM,
+    AlignError,
+    AlignReport,
+    AlignTransforms,
+    BudgetReport,
+    DecomposeProgress,
+    FamilyChoice,
+    FamilyReport,
+    FrontierPoint,
+    LayerFit,
+    LowRank,
+    ModelReport,
+    SVDOptions,
+    SweepPoint,
+    SweepResult,
+    align_checkpoint,
+    align_state,
+    analyze_checkpoint,
+    budget_frontier,
+    check_budget,
+    decompose_budget,
+    decompose_checkpoint,
+    decompose_family,
+    fit_budget,
+    fit_layer,
+    load_align_transforms,
+    randomized_svd,
+    rebuild_dense_state,
+    relative_error,
+    row_scale,
+    stored_parameters,
+    sweep,
+    truncated_svd,
+    unalign_state,
+)
+from .forms import (
+    FORMS,
+    FamilyErrors,
+    FamilyTheta,
+    LayerTheta,
+    LowRankFamily,
+    SharedBasisFamily,
+    ThetaFamily,
+    ThetaModel,
+    apply,
+    band_of_layers,
+    band_sizes,
+    compute_dtype,
+    pooled_error,
+    reconstruct,
+    resolve_blocks,
+)
+from .io import (
+    DIGESTS_FILE,
+    FAMILIES,
     FORMAT_VERSION,
     MANIFEST_FILE,
-    DecomposeProgress,
+    Checkpoint,
+    FamilyInfo,
+    IntegrityReport,
     ThetaCheckpoint,
     atomic_directory,
     basis_key,
+    check_checkpoint,
     copy_side_files,
-    decompose_checkpoint,
+    dtype_from_name,
+    dtype_name,
     is_theta_checkpoint,
-    rebuild_dense_state,
+    open_checkpoint,
+    parse_projection_key,
+    require_intact,
     save_theta,
     shared_key,
     theta_key,
 )
-from ._forms import LowRankFamily, SharedBasisFamily
-from ._integrity import IntegrityReport, check_checkpoint, require_intact
-from ._safetensors_io import DIGESTS_FILE, dtype_from_name, dtype_name
-from ._svd import LowRank, compute_dtype, randomized_svd, truncated_svd
-from ._theta import FORMS, FamilyTheta, LayerTheta, ThetaFamily, ThetaModel, apply, reconstruct
-
-try:
-    __version__ = version("attnquant-core")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = [
     # function-preserving alignment

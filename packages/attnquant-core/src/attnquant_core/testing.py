@@ -123,7 +123,7 @@ def make_structured_weights(
 
 def family_weights(tensors: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]]:
     """Group ``<stack>.<layer>.<family>.weight`` tensors into per-family lists, in layer order."""
-    from ._checkpoint import parse_projection_key
+    from .io import parse_projection_key
 
     found: dict[str, dict[int, np.ndarray]] = {}
     for key, array in tensors.items():

@@ -45,7 +45,7 @@ from attnquant_core import (
     is_theta_checkpoint,
     open_checkpoint,
 )
-from attnquant_core._safetensors_io import (
+from attnquant_core.io import (
     PlannedWriter,
     TensorSpec,
     dtype_from_name,

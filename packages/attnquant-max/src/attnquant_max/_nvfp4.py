@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from attnquant_core import AttnquantError
-from attnquant_core._safetensors_io import is_float
+from attnquant_core.io import is_float
 
 __all__ = [
     "BLOCK_SIZE",

@@ -8,18 +8,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.linalg
 
-from ._bands import band_sizes, resolve_blocks
-from ._checkpoint import Checkpoint, open_checkpoint
-from ._decompose import (
-    SVDOptions,
-    band_mean,
-    check_rank,
-    decompose_family,
-    pooled_error,
-    row_scale,
-)
-from ._svd import compute_dtype, truncated_svd
-from ._theta import ThetaFamily
+from ..forms._bands import band_sizes, resolve_blocks
+from ..forms._identity import compute_dtype
+from ..forms._measure import pooled_error
+from ..forms._model import ThetaFamily
+from ..io._checkpoint import Checkpoint, open_checkpoint
+from ._decompose import DEFAULT_SVD, SVDOptions, band_mean, check_rank, decompose_family, row_scale
+from ._svd import truncated_svd
 
 __all__ = [
     "FamilyReport",
@@ -124,7 +119,7 @@ def analyze_checkpoint(
     *,
     blocks: int | str = 1,
     rank: int = 16,
-    svd: SVDOptions = SVDOptions(),
+    svd: SVDOptions = DEFAULT_SVD,
 ) -> ModelReport:
     """Decompose every family in memory (one at a time) and report its error and size."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
@@ -211,7 +206,7 @@ def sweep(
     *,
     blocks: list[int | str],
     ranks: list[int],
-    svd: SVDOptions = SVDOptions(),
+    svd: SVDOptions = DEFAULT_SVD,
     progress: Callable[[str], None] | None = None,
 ) -> SweepResult:
     """Error against stored size for every ``(G, r)``, with per-layer SVD at equal size beside it.

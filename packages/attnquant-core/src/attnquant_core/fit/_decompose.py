@@ -8,40 +8,37 @@ from typing import Literal
 
 import numpy as np
 
-from ._bands import band_of_layers, band_sizes, resolve_blocks
-from ._errors import DecompositionError
-from ._svd import EXACT_MAX_DIM, compute_dtype, truncated_svd
-from ._theta import FamilyTheta, LayerTheta
+from .._errors import DecompositionError
+from ..forms._banded import FamilyTheta, LayerTheta
+from ..forms._bands import band_of_layers, band_sizes, resolve_blocks
+from ..forms._identity import compute_dtype
+from ..forms._measure import FamilyErrors
+from ._svd import EXACT_MAX_DIM, truncated_svd
 
 __all__ = [
-    "FamilyErrors",
+    "DEFAULT_SVD",
+    "DecomposeProgress",
     "LayerFit",
     "SVDOptions",
     "decompose_family",
     "fit_layer",
-    "pooled_error",
     "row_scale",
 ]
 
 
-def pooled_error(errors: Sequence[float], norms: Sequence[float]) -> float:
-    """Relative Frobenius error of a set of layers from each layer's error and norm."""
-    num = sum((e * n) ** 2 for e, n in zip(errors, norms, strict=True))
-    den = sum(n**2 for n in norms)
-    return float(np.sqrt(num / den)) if den > 0 else 0.0
-
-
 @dataclass(frozen=True)
-class FamilyErrors:
-    """Per-layer relative errors and weight norms of one decomposed family."""
+class DecomposeProgress:
+    """One layer done, reported to the ``progress`` callback of :func:`decompose_checkpoint`.
 
-    errors: list[float]
-    norms: list[float]
+    ``stage`` is ``"fit"`` when the layer's tensors were fitted (``error`` is its relative
+    error), ``"spectra"`` when a budget decomposition measured its spectra (``error`` is NaN).
+    """
 
-    @property
-    def total(self) -> float:
-        """The family's relative Frobenius error over all its layers."""
-        return pooled_error(self.errors, self.norms)
+    family: str
+    layer: int
+    num_layers: int
+    error: float
+    stage: str = "fit"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +55,10 @@ class SVDOptions:
             "n_iter": self.n_iter,
             "random_state": self.random_state,
         }
+
+
+#: The truncated SVD's default settings (the default of every ``svd=`` argument).
+DEFAULT_SVD = SVDOptions()
 
 
 @dataclass(frozen=True)

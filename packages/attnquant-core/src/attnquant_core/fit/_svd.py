@@ -11,7 +11,8 @@ from typing import Literal, NamedTuple
 import numpy as np
 import scipy.linalg
 
-from ._errors import DecompositionError
+from .._errors import DecompositionError
+from ..forms._identity import compute_dtype
 
 __all__ = ["EXACT_MAX_DIM", "LowRank", "compute_dtype", "randomized_svd", "truncated_svd"]
 
@@ -31,12 +32,6 @@ class LowRank(NamedTuple):
     U: np.ndarray
     V: np.ndarray
     S: np.ndarray
-
-
-def compute_dtype(dtype: np.dtype | type) -> np.dtype:
-    """The dtype numerics run in: float64 stays float64, every other float computes in float32."""
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 def _rng(random_state: int | np.random.Generator | None) -> np.random.Generator:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._errors import DecompositionError
+from .._errors import DecompositionError
 
 __all__ = ["band_of_layers", "band_sizes", "resolve_blocks"]
 

@@ -22,8 +22,8 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
-from ._errors import ThetaFormatError
-from ._theta import apply, reconstruct
+from .._errors import ThetaFormatError
+from ._identity import apply, reconstruct
 
 __all__ = ["SIDES", "LowRankFamily", "SharedBasisFamily", "check_bands"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._errors import CheckpointError
-from ._safetensors_io import DIGESTS_FILE, SafetensorsFiles, TensorSpec, is_float, read_digests
+from .._errors import CheckpointError
+from ._safetensors import DIGESTS_FILE, SafetensorsFiles, TensorSpec, is_float, read_digests
 
 __all__ = [
     "FAMILIES",
@@ -73,7 +73,7 @@ class Checkpoint:
         self.path = path
         self.tensors = files
         self.config = config
-        self.families = _detect_families(path, files)
+        self.families = detect_families(path, files)
         if config is not None:
             check_config_dims(
                 self.directory / "config.json",
@@ -189,7 +189,7 @@ def _shard_path(directory: Path, index_file: Path, key: str, name: object) -> Pa
     return shard
 
 
-def _detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo]:
+def detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo]:
     found: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
     for key in files.keys():
         parsed = parse_projection_key(key)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._errors import CheckpointError, IntegrityError
 from ._checkpoint import read_tensor_directory
-from ._errors import CheckpointError, IntegrityError
-from ._safetensors_io import DIGESTS_FILE, verify_by_default
+from ._safetensors import DIGESTS_FILE, verify_by_default
 
 __all__ = ["DIGESTS_FILE", "IntegrityReport", "check_checkpoint", "require_intact"]
 

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from ._errors import CheckpointError, IntegrityError
+from .._errors import CheckpointError, IntegrityError
 
 __all__ = [
     "DIGESTS_FILE",

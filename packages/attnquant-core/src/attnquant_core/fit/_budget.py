@@ -1,0 +1,441 @@
+"""A global budget: choose every family's form and every layer's rank for the least total error.
+
+The budget is stored parameters over dense parameters, summed over the projection families
+(``s``, ``W0``, bases, ``U`` and ``V`` all count). The objective is the total squared Frobenius
+error over every layer of every family. Because the error of a truncated SVD (or of projecting
+onto a shared basis) is the energy its discarded singular values carry, every candidate form
+has an exact error-against-rank curve before anything is fitted:
+
+* ``lowrank``: the SVD of each ``W_l``; a rank unit of layer ``l`` costs ``out + in`` and
+  removes ``sigma_j^2``.
+* ``shared_basis`` side ``in`` with ``G`` bands: the SVD of the band's layers stacked
+  vertically ``[W_1; ...; W_n]`` (its Gram ``sum W_l^T W_l``, ``[in, in]``); one basis column
+  costs ``in + n * out``. Side ``out``: stacked horizontally (Gram ``sum W_l W_l^T``), a
+  column costs ``out + n * in``. ``G = L`` is the low-rank form, so it is left out.
+* ``banded`` with ``G`` bands: a fixed ``G * out * in + L * out`` (``W0`` and ``s``), then the
+  SVD of each layer's residual ``W_l - diag(s_l) W0_b``, ``out + in`` per rank unit.
+
+Allocation: for a fixed form per family, the best ranks are taken greedily, rank units in
+order of error drop per parameter, skipping those that no longer fit (each group's drops are
+non-increasing, so these are always prefixes of its spectrum). The forms come from a
+Lagrangian: at a price ``lam`` per stored number each family takes the (form, ranks)
+minimising ``error + lam * params``, and ``lam`` is bisected to meet the budget. Because the
+forms make the problem non-convex, the forms are then improved by switching one family at a
+time while the total error falls, starting both from the Lagrangian forms and from "low rank
+everywhere", which is the baseline "per-layer SVD with globally allocated ranks" (the same
+allocator restricted to ``lowrank``). The answer is thus never worse than that baseline.
+
+Singular values are exact (LAPACK, in float64) when the matrix's smaller side, or the Gram's
+side for a shared basis, is at most :data:`BUDGET_EXACT_MAX_DIM`; above that a randomized
+truncated SVD (or a randomized subspace iteration on the Gram) is taken at a cap: the rank at
+which the group would spend ``min(1, 2 * budget)`` of its own dense size, the most the budget
+can sensibly buy there. Ranks above the cap are not considered. The fitted factors are cut
+from the very factorisations the spectra came from, so the predicted error is the achieved one
+up to the rounding of storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .._errors import DecompositionError
+from ..forms._banded import FamilyTheta, LayerTheta
+from ..forms._bands import band_of_layers
+from ..forms._factored import LowRankFamily, SharedBasisFamily
+from ..forms._identity import compute_dtype
+from ..forms._measure import pooled_error
+from ..forms._model import ThetaFamily, ThetaModel
+from ..io._atomic import atomic_directory, copy_side_files
+from ..io._checkpoint import Checkpoint, open_checkpoint
+from ..io._manifest import (
+    basis_key,
+    family_entry,
+    shared_key,
+    theta_key,
+    theta_manifest,
+    write_manifest,
+)
+from ..io._safetensors import PlannedWriter, TensorSpec
+from ..io._theta_write import copied_specs, family_specs, plain_specs, source_digest, write_copied
+from . import _spectra
+from ._align_transforms import aligned_record
+from ._allocate import (
+    BudgetReport,
+    FamilyChoice,
+    allocate,
+    check_budget,
+)
+from ._decompose import DEFAULT_SVD, DecomposeProgress, SVDOptions, check_family_weights, fit_layer
+from ._spectra import (
+    _LOWRANK_SEED,
+    _SIDE_SEED,
+    DEFAULT_FORMS,
+    _band_basis,
+    _band_mean,
+    _check_forms,
+    _checkpoint_sources,
+    _matrix_sketch,
+    _Source,
+    _spectra_all,
+)
+
+__all__ = ["decompose_budget", "fit_budget"]
+
+
+def _fit_family(
+    src: _Source,
+    choice: FamilyChoice,
+    *,
+    stack: str,
+    svd: SVDOptions,
+    emit: Callable[[str, np.ndarray], None],
+    progress: Callable[[DecomposeProgress], None] | None = None,
+    digests: dict[int, str] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Fit one family in its chosen form, one layer (or band) at a time; ``emit`` each tensor.
+
+    Returns the per-layer relative errors and norms of what was stored.
+    """
+    c = choice.candidate
+    assert c is not None
+    name, L, store = src.name, src.num_layers, src.store
+    cdt = compute_dtype(np.result_type(src.dtype, store))
+    errors, norms = [0.0] * L, [0.0] * L
+
+    def read(layer: int) -> np.ndarray:
+        W = src.get(layer)
+        if digests is not None and layer not in digests:
+            digests[layer] = source_digest(W)
+        return W
+
+    def done(layer: int, W: np.ndarray, W_eff: np.ndarray) -> None:
+        Wc = np.asarray(W, cdt)
+        norms[layer] = float(np.linalg.norm(Wc))
+        diff = float(np.linalg.norm(Wc - W_eff))
+        errors[layer] = diff / norms[layer] if norms[layer] > 0 else 0.0
+        if progress is not None:
+            progress(DecomposeProgress(name, layer, L, errors[layer]))
+
+    if c.form == "lowrank":
+        for layer in range(L):
+            W = read(layer)
+            r = choice.ranks[layer]
+            if r:
+                U, V, _ = _matrix_sketch(
+                    np.asarray(W, cdt), c.caps[layer], svd, (_LOWRANK_SEED, layer)
+                )
+                U, V = U[:, :r].astype(store), V[:, :r].astype(store)
+            else:
+                U, V = np.zeros((src.shape[0], 0), store), np.zeros((src.shape[1], 0), store)
+            emit(theta_key(stack, layer, name, "U"), U)
+            emit(theta_key(stack, layer, name, "V"), V)
+            done(layer, W, U.astype(cdt) @ V.astype(cdt).T)
+    elif c.form == "banded":
+        G = c.blocks
+        assert G is not None
+        bands = band_of_layers(L, G)
+        for b in range(G):
+            layers = [i for i in range(L) if bands[i] == b]
+            W0 = _band_mean(read, layers, src.shape, src.dtype, store)
+            emit(shared_key(name, b), W0)
+            for layer in layers:
+                W = read(layer)
+                fit = fit_layer(
+                    W,
+                    W0,
+                    choice.ranks[layer],
+                    dtype=store,
+                    svd=svd,
+                    seed=(G, b, layer),
+                    exact_max_dim=_spectra.BUDGET_EXACT_MAX_DIM,  # read late: tests lower it
+                    sketch_rank=c.caps[layer] if choice.ranks[layer] else None,
+                )
+                for part in ("s", "U", "V"):
+                    emit(theta_key(stack, layer, name, part), getattr(fit.theta, part))
+                norms[layer] = fit.norm
+                errors[layer] = fit.error
+                if progress is not None:
+                    progress(DecomposeProgress(name, layer, L, fit.error))
+    else:
+        G, side = c.blocks, c.side
+        assert G is not None and side is not None
+        for b, layers in enumerate(c.groups):
+            k = choice.group_ranks[b]
+            d = src.shape[1] if side == "in" else src.shape[0]
+            basis = np.zeros((d, 0))
+            if k:
+                basis = _band_basis(
+                    read,
+                    layers,
+                    side,
+                    src.shape,
+                    c.caps[b],
+                    svd,
+                    (_SIDE_SEED[side], G, b),
+                    vectors=True,
+                )[1]
+                assert basis is not None
+            B = np.ascontiguousarray(basis[:, :k]).astype(store)
+            emit(basis_key(name, b), B)
+            Bc = B.astype(cdt)
+            for layer in layers:
+                W = read(layer)
+                Wc = np.asarray(W, cdt)
+                if side == "in":
+                    coef = (Wc @ Bc).astype(store)  # U_l [out, k]
+                    emit(theta_key(stack, layer, name, "U"), coef)
+                    W_eff = coef.astype(cdt) @ Bc.T
+                else:
+                    coef = (Wc.T @ Bc).astype(store)  # V_l [in, k]
+                    emit(theta_key(stack, layer, name, "V"), coef)
+                    W_eff = Bc @ coef.astype(cdt).T
+                done(layer, W, W_eff)
+    return errors, norms
+
+
+def _family_from(
+    stack: str, choice: FamilyChoice, tensors: Mapping[str, np.ndarray], L: int
+) -> ThetaFamily:
+    name = choice.name
+    key = theta_key
+    if choice.form == "lowrank":
+        return LowRankFamily(
+            name=name,
+            U=tuple(tensors[key(stack, i, name, "U")] for i in range(L)),
+            V=tuple(tensors[key(stack, i, name, "V")] for i in range(L)),
+        )
+    assert choice.blocks is not None
+    bands = band_of_layers(L, choice.blocks)
+    if choice.form == "banded":
+        return FamilyTheta(
+            name=name,
+            shared=tuple(tensors[shared_key(name, b)] for b in range(choice.blocks)),
+            bands=tuple(bands),
+            layers=tuple(
+                LayerTheta(
+                    s=tensors[key(stack, i, name, "s")],
+                    U=tensors[key(stack, i, name, "U")],
+                    V=tensors[key(stack, i, name, "V")],
+                )
+                for i in range(L)
+            ),
+        )
+    part = "U" if choice.side == "in" else "V"
+    return SharedBasisFamily(
+        name=name,
+        side=choice.side,  # type: ignore[arg-type]
+        bases=tuple(tensors[basis_key(name, b)] for b in range(choice.blocks)),
+        bands=tuple(bands),
+        coefs=tuple(tensors[key(stack, i, name, part)] for i in range(L)),
+    )
+
+
+def fit_budget(
+    families: Mapping[str, Sequence[np.ndarray]],
+    budget: float,
+    *,
+    forms: Sequence[str] = DEFAULT_FORMS,
+    banded_blocks: Sequence[int] | None = None,
+    shared_blocks: Sequence[int] | None = None,
+    dtype: np.dtype | type | None = None,
+    svd: SVDOptions = DEFAULT_SVD,
+    stack: str = "model.layers",
+) -> tuple[ThetaModel, BudgetReport]:
+    """Choose forms and ranks at ``budget`` and fit them, in memory.
+
+    Parameters
+    ----------
+    families : mapping of name to a sequence of ndarray (out, in)
+        Every family's weights in layer order; every family has the same number of layers.
+    budget : float in (0, 1]
+        Stored parameters over dense parameters, over all the families.
+    forms : sequence of str
+        The forms a family may take (``lowrank``, ``shared_basis``, ``banded``).
+    banded_blocks, shared_blocks : sequence of int, optional
+        The ``G`` tried for banded and shared-basis families (defaults: ``1, 2, 4, L//2`` and
+        ``1, 2, 3, 4, L//4, L//2``; shared bases at ``G = L`` are the low-rank form).
+    dtype : dtype, optional
+        Storage dtype; defaults to each family's weights' dtype.
+
+    Returns
+    -------
+    model : ThetaModel
+        The fitted families, each in its chosen form.
+    report : BudgetReport
+        What was chosen and why, predicted and measured errors, and the baseline.
+    """
+    budget = check_budget(budget)
+    forms = _check_forms(forms)
+    if not families:
+        raise DecompositionError("fit_budget needs at least one family")
+    sources: list[_Source] = []
+    counts = set()
+    for name, weights in families.items():
+        weights = list(weights)
+        shape = check_family_weights(name, weights)
+        counts.add(len(weights))
+        src_dtype = np.dtype(weights[0].dtype)
+        sources.append(
+            _Source(
+                name,
+                (int(shape[0]), int(shape[1])),
+                len(weights),
+                src_dtype,
+                np.dtype(dtype) if dtype is not None else src_dtype,
+                weights.__getitem__,
+            )
+        )
+    if len(counts) != 1:
+        raise DecompositionError(
+            "every family needs the same number of layers; got "
+            + ", ".join(f"{s.name}: {s.num_layers}" for s in sources)
+        )
+    spectra = _spectra_all(
+        sources,
+        forms=forms,
+        banded_blocks=banded_blocks,
+        shared_blocks=shared_blocks,
+        cap_budget=budget,
+        svd=svd,
+    )
+    report = allocate(spectra, budget, forms)
+    fitted: dict[str, ThetaFamily] = {}
+    choices: dict[str, FamilyChoice] = {}
+    for s in spectra:
+        choice = report.families[s.source.name]
+        tensors: dict[str, np.ndarray] = {}
+        errors, norms = _fit_family(
+            s.source, choice, stack=stack, svd=svd, emit=tensors.__setitem__
+        )
+        fitted[s.source.name] = _family_from(stack, choice, tensors, s.source.num_layers)
+        choices[s.source.name] = _with_measured(choice, errors, norms)
+    model = ThetaModel(families=fitted, stack=stack)
+    return model, _with_choices(report, choices)
+
+
+def _with_measured(choice: FamilyChoice, errors: list[float], norms: list[float]) -> FamilyChoice:
+    from dataclasses import replace
+
+    return replace(choice, measured_error=pooled_error(errors, norms))
+
+
+def _with_choices(report: BudgetReport, choices: dict[str, FamilyChoice], **kw) -> BudgetReport:
+    from dataclasses import replace
+
+    return replace(report, families=choices, **kw)
+
+
+def decompose_budget(
+    src: str | Path | Checkpoint,
+    out: str | Path,
+    *,
+    budget: float,
+    forms: Sequence[str] = DEFAULT_FORMS,
+    banded_blocks: Sequence[int] | None = None,
+    shared_blocks: Sequence[int] | None = None,
+    dtype: np.dtype | type | None = None,
+    svd: SVDOptions = DEFAULT_SVD,
+    progress: Callable[[DecomposeProgress], None] | None = None,
+    max_shard_bytes: int = 2 << 30,
+    overwrite: bool = False,
+    aligned_from: str | Path | None = None,
+) -> BudgetReport:
+    """Decompose a checkpoint at a global ``budget`` into a theta checkpoint (format v2) at ``out``.
+
+    Two streamed passes, one family at a time: the spectra of every candidate form (one layer,
+    band mean or Gram held at a time), then, after the allocation, the chosen form's tensors,
+    written in place. ``attnquant.json`` says per family the form, bands, ranks, measured and
+    predicted errors, stored parameters and why, and the budget's totals with the per-layer
+    SVD baseline. Returns the :class:`BudgetReport` (its ``manifest`` is ``attnquant.json``).
+    Nothing is left at ``out`` if anything fails. ``aligned_from`` as for
+    :func:`attnquant_core.decompose_checkpoint`.
+    """
+    budget = check_budget(budget)
+    forms = _check_forms(forms)
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    aligned = None if aligned_from is None else aligned_record(ckpt)
+    sources = _checkpoint_sources(ckpt, dtype)
+    spectra = _spectra_all(
+        sources,
+        forms=forms,
+        banded_blocks=banded_blocks,
+        shared_blocks=shared_blocks,
+        cap_budget=budget,
+        svd=svd,
+        progress=progress,
+    )
+    report = allocate(spectra, budget, forms)
+    copied = copied_specs(ckpt)
+    specs: dict[str, TensorSpec] = dict(copied)
+    for s in sources:
+        c = report.families[s.name]
+        specs.update(
+            plain_specs(
+                family_specs(
+                    s.name,
+                    ckpt.stack,
+                    form=c.form,
+                    shape=s.shape,
+                    dtype=s.store,
+                    ranks=c.ranks,
+                    bands=None if c.blocks is None else band_of_layers(s.num_layers, c.blocks),
+                    side=c.side,
+                )
+            )
+        )
+    digests: dict[str, str] = {}
+    families: dict[str, dict] = {}
+    choices: dict[str, FamilyChoice] = {}
+    with atomic_directory(Path(out), overwrite) as tmp:
+        copy_side_files(ckpt.directory if ckpt.path.is_dir() else None, tmp)
+        with PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
+            write_copied(writer, ckpt, copied, digests)
+            for s in sources:
+                choice = report.families[s.name]
+                layer_digests: dict[int, str] = {}
+                errors, norms = _fit_family(
+                    s,
+                    choice,
+                    stack=ckpt.stack,
+                    svd=svd,
+                    emit=writer.write,
+                    progress=progress,
+                    digests=layer_digests,
+                )
+                keys = ckpt.families[s.name].keys
+                digests.update({keys[i]: d for i, d in layer_digests.items()})
+                choice = _with_measured(choice, errors, norms)
+                choices[s.name] = choice
+                families[s.name] = family_entry(
+                    form=choice.form,
+                    shape=s.shape,
+                    dtype=s.store,
+                    source_dtype=s.dtype,
+                    ranks=choice.ranks,
+                    bands=None
+                    if choice.blocks is None
+                    else band_of_layers(s.num_layers, choice.blocks),
+                    side=choice.side,
+                    stored=choice.stored,
+                    errors=errors,
+                    norms=norms,
+                    predicted_error=choice.error,
+                    why=choice.why,
+                )
+        report = _with_choices(report, choices)
+        summary = report.to_json()
+        summary.pop("families")
+        manifest = theta_manifest(
+            num_layers=ckpt.num_layers,
+            stack=ckpt.stack,
+            families=families,
+            svd=svd.to_json(),
+            source={"path": str(aligned_from or ckpt.path), "digests": digests},
+            aligned=aligned,
+            budget=summary,
+        )
+        write_manifest(tmp, manifest)
+    return _with_choices(report, choices, manifest=manifest)

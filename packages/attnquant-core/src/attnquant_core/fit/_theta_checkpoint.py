@@ -1,0 +1,216 @@
+"""Decomposing a whole checkpoint into a theta checkpoint, streamed layer by layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .._errors import (
+    DecompositionError,
+)
+from ..forms._bands import band_of_layers, band_sizes, resolve_blocks
+from ..forms._identity import compute_dtype
+from ..io._atomic import atomic_directory, copy_side_files
+from ..io._checkpoint import (
+    Checkpoint,
+    open_checkpoint,
+)
+from ..io._manifest import (
+    family_entry,
+    shared_key,
+    stored_of,
+    theta_key,
+    theta_manifest,
+    write_manifest,
+)
+from ..io._safetensors import (
+    PlannedWriter,
+    TensorSpec,
+)
+from ..io._theta_write import (
+    copied_specs,
+    family_specs,
+    plain_specs,
+    source_digest,
+    write_copied,
+)
+from ._align_transforms import aligned_record
+from ._budget import decompose_budget
+from ._decompose import (
+    DEFAULT_SVD,
+    DecomposeProgress,
+    SVDOptions,
+    check_rank,
+    decompose_family,
+    fit_layer,
+)
+
+__all__ = ["decompose_checkpoint", "rebuild_dense_state"]
+
+
+def decompose_checkpoint(
+    src: str | Path | Checkpoint,
+    out: str | Path,
+    *,
+    blocks: int | str | None = None,
+    rank: int | None = None,
+    budget: float | None = None,
+    dtype: np.dtype | type | None = None,
+    svd: SVDOptions = DEFAULT_SVD,
+    progress: Callable[[DecomposeProgress], None] | None = None,
+    max_shard_bytes: int = 2 << 30,
+    overwrite: bool = False,
+    aligned_from: str | Path | None = None,
+) -> dict:
+    """Decompose every projection family of a checkpoint into a theta checkpoint at ``out``.
+
+    With ``blocks`` (default 1) and ``rank`` (default 16): every family banded, ``G`` bands,
+    rank ``r``. With ``budget`` (stored / dense parameters, in ``(0, 1]``) instead: the form and
+    the ranks of each family and layer are chosen to minimise the total squared error at that
+    size (:func:`attnquant_core.decompose_budget`); ``budget`` excludes ``blocks`` and ``rank``.
+
+    Streams: each band's ``W0`` is accumulated one layer at a time, then each layer is read
+    again for ``s``, the residual and its SVD, and written in place; peak memory follows the
+    largest single weight, not the number of layers. ``dtype`` is the storage dtype (default:
+    each family's source dtype). Returns the ``attnquant.json`` manifest. Nothing is left at
+    ``out`` if anything fails.
+
+    ``aligned_from``: ``src`` is an aligned copy of that checkpoint (written by
+    :func:`attnquant_core.align_checkpoint`); the manifest then names it as the source and
+    records the alignment under ``"aligned"`` (the transforms come along with the side files).
+    """
+    if budget is not None:
+        if blocks is not None or rank is not None:
+            raise DecompositionError(
+                "budget= chooses every family's form, bands and ranks; pass either budget= "
+                "or blocks=/rank=, not both"
+            )
+        report = decompose_budget(
+            src,
+            out,
+            budget=budget,
+            dtype=dtype,
+            svd=svd,
+            progress=progress,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+            aligned_from=aligned_from,
+        )
+        assert report.manifest is not None
+        return report.manifest
+    blocks = 1 if blocks is None else blocks
+    rank = 16 if rank is None else rank
+    ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    aligned = None if aligned_from is None else aligned_record(ckpt)
+    L = ckpt.num_layers
+    G = resolve_blocks(blocks, L)
+    bands = band_of_layers(L, G)
+    sizes = band_sizes(L, G)
+    copied = copied_specs(ckpt)
+
+    specs: dict[str, TensorSpec] = dict(copied)
+    store: dict[str, np.dtype] = {}
+    for name, info in ckpt.families.items():
+        check_rank(name, info.shape, rank)
+        store[name] = np.dtype(dtype) if dtype is not None else info.dtype
+        specs.update(
+            plain_specs(
+                family_specs(
+                    name,
+                    info.stack,
+                    form="banded",
+                    shape=info.shape,
+                    dtype=store[name],
+                    ranks=[rank] * L,
+                    bands=bands,
+                )
+            )
+        )
+
+    digests: dict[str, str] = {}
+    families: dict[str, dict] = {}
+    with atomic_directory(Path(out), overwrite) as tmp:
+        copy_side_files(ckpt.directory if ckpt.path.is_dir() else None, tmp)
+        with PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
+            write_copied(writer, ckpt, copied, digests)
+            for name, info in ckpt.families.items():
+                errors: list[float] = []
+                norms: list[float] = []
+                start = 0
+                for b, size in enumerate(sizes):
+                    layers = range(start, start + size)
+                    held: np.ndarray | None = None
+                    cdt = compute_dtype(np.result_type(info.dtype, store[name]))
+                    acc = np.zeros(info.shape, cdt)
+                    for layer in layers:  # pass 1: the band mean, one layer at a time
+                        W = ckpt.get(info.keys[layer], check_finite=True)
+                        digests[info.keys[layer]] = source_digest(W)
+                        acc += W
+                        held = W if size == 1 else None
+                        del W
+                    acc /= size
+                    W0 = acc.astype(store[name])
+                    del acc
+                    writer.write(shared_key(name, b), W0)
+                    for layer in layers:  # pass 2: s, residual, SVD, one layer at a time
+                        W = held if held is not None else ckpt.get(info.keys[layer])
+                        fit = fit_layer(W, W0, rank, dtype=store[name], svd=svd, seed=(b, layer))
+                        del W
+                        for part in ("s", "U", "V"):
+                            writer.write(
+                                theta_key(info.stack, layer, name, part), getattr(fit.theta, part)
+                            )
+                        errors.append(fit.error)
+                        norms.append(fit.norm)
+                        if progress is not None:
+                            progress(DecomposeProgress(name, layer, L, fit.error))
+                    held = None
+                    start += size
+                families[name] = family_entry(
+                    form="banded",
+                    shape=info.shape,
+                    dtype=store[name],
+                    source_dtype=info.dtype,
+                    ranks=[rank] * L,
+                    bands=bands,
+                    stored=stored_of("banded", info.shape, [rank] * L, bands),
+                    errors=errors,
+                    norms=norms,
+                )
+        manifest = theta_manifest(
+            num_layers=L,
+            stack=ckpt.stack,
+            families=families,
+            svd=svd.to_json(),
+            source={"path": str(aligned_from or ckpt.path), "digests": digests},
+            aligned=aligned,
+        )
+        write_manifest(tmp, manifest)
+    return manifest
+
+
+def rebuild_dense_state(
+    ckpt: Checkpoint | str | Path,
+    *,
+    blocks: int | str = "layers",
+    rank: int = 16,
+    svd: SVDOptions = DEFAULT_SVD,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Decompose a dense checkpoint in memory, family by family, and yield the rebuilt state.
+
+    The same contract as :meth:`ThetaCheckpoint.rebuilt_state`: every dense key, projections
+    replaced by ``W_eff`` in their source dtype. Holds one family at a time.
+    """
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+    projection_keys = ckpt.projection_keys()
+    for key in ckpt.keys():
+        if key not in projection_keys:
+            yield key, ckpt.get(key)
+    for name, info in ckpt.families.items():
+        weights = [ckpt.get(k, check_finite=True) for k in info.keys]
+        theta, _ = decompose_family(weights, blocks=blocks, rank=rank, name=name, svd=svd)
+        del weights
+        for layer, key in enumerate(info.keys):
+            yield key, theta.reconstruct(layer).astype(info.dtype)

@@ -1,0 +1,95 @@
+"""Reading and writing checkpoints: safetensors files, Hugging Face checkpoints, the theta format.
+
+* safetensors plumbing: :class:`SafetensorsFiles` (lazy reads), :class:`PlannedWriter` and
+  :class:`TensorSpec` (planned, streamed writes), dtype names, tensor digests;
+* dense checkpoints: :func:`open_checkpoint`, :class:`Checkpoint`, the projection
+  :data:`FAMILIES`;
+* the theta checkpoint (``attnquant.json`` plus theta keys): :class:`ThetaCheckpoint` to read,
+  :func:`save_theta` and the key and manifest helpers to write, :func:`atomic_directory`;
+* integrity: every tensor's digest, recorded at write, checked at read.
+
+Depends on :mod:`attnquant_core.forms`, never on :mod:`attnquant_core.fit`.
+"""
+
+from ._atomic import atomic_directory, copy_side_files
+from ._checkpoint import (
+    FAMILIES,
+    INDEX_FILE,
+    Checkpoint,
+    FamilyInfo,
+    check_config_dims,
+    open_checkpoint,
+    parse_projection_key,
+    read_tensor_directory,
+)
+from ._integrity import IntegrityReport, check_checkpoint, require_intact
+from ._manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    basis_key,
+    family_entry,
+    is_theta_checkpoint,
+    shared_key,
+    stored_of,
+    theta_key,
+)
+from ._safetensors import (
+    DIGEST_ALGORITHM,
+    DIGESTS_FILE,
+    PlannedWriter,
+    SafetensorsFiles,
+    TensorSpec,
+    dtype_from_name,
+    dtype_name,
+    is_float,
+    read_digests,
+    tensor_digest,
+    verify_by_default,
+)
+from ._theta_read import ThetaCheckpoint
+from ._theta_write import family_specs, family_tensors, save_theta
+
+__all__ = [
+    # safetensors files
+    "PlannedWriter",
+    "SafetensorsFiles",
+    "TensorSpec",
+    "dtype_from_name",
+    "dtype_name",
+    "is_float",
+    # digests and integrity
+    "DIGESTS_FILE",
+    "DIGEST_ALGORITHM",
+    "IntegrityReport",
+    "check_checkpoint",
+    "read_digests",
+    "require_intact",
+    "tensor_digest",
+    "verify_by_default",
+    # dense checkpoints
+    "FAMILIES",
+    "INDEX_FILE",
+    "Checkpoint",
+    "FamilyInfo",
+    "check_config_dims",
+    "open_checkpoint",
+    "parse_projection_key",
+    "read_tensor_directory",
+    # the theta checkpoint
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "ThetaCheckpoint",
+    "atomic_directory",
+    "basis_key",
+    "copy_side_files",
+    "family_entry",
+    "family_specs",
+    "family_tensors",
+    "is_theta_checkpoint",
+    "save_theta",
+    "shared_key",
+    "stored_of",
+    "theta_key",
+]

@@ -1,0 +1,289 @@
+"""The theta checkpoint's manifest, ``attnquant.json``: its keys, its entries, its checks.
+
+The theta checkpoint (DESIGN §4): a Hugging Face directory plus theta keys and ``attnquant.json``.
+
+Writes go to a temporary directory that is renamed into place when complete; reads are lazy
+(headers at open, tensors on demand) and validate every theta key against its band's ``W0``.
+
+Format version 2 (written now) names the form of every family in ``attnquant.json``
+(``"banded"``, ``"lowrank"``, ``"shared_basis"`` with its ``"side"``), the band of every layer
+(``null`` for low rank) and the rank of every layer (``"ranks"``; ``"rank"`` is their maximum).
+Keys per form, ``<layer>`` being ``<stack>.<l>.<family>``:
+
+* banded: ``<layer>.theta_s [out]``, ``<layer>.theta_U [out, r_l]``, ``<layer>.theta_V
+  [in, r_l]``, ``attnquant.shared.<family>.<band>.W0 [out, in]``;
+* lowrank: ``<layer>.theta_U [out, r_l]``, ``<layer>.theta_V [in, r_l]``;
+* shared_basis, side in: ``attnquant.shared.<family>.<band>.basis [in, k_b]``,
+  ``<layer>.theta_U [out, k_b]``; side out: ``...basis [out, k_b]``, ``<layer>.theta_V [in, k_b]``.
+
+Version 1 checkpoints (every family banded, one rank) are still read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._errors import (
+    AttnquantError,
+    ThetaFormatError,
+)
+from .._version import __version__
+from ..forms._factored import SIDES
+from ..forms._measure import pooled_error
+from ..forms._model import FORMS
+from ._safetensors import (
+    dtype_name,
+)
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "basis_key",
+    "check_manifest",
+    "dense_key",
+    "family_entry",
+    "is_theta_checkpoint",
+    "read_json_manifest",
+    "shared_key",
+    "stored_of",
+    "theta_key",
+    "theta_manifest",
+    "write_manifest",
+]
+
+
+FORMAT_NAME = "attnquant-theta"
+
+
+FORMAT_VERSION = 2
+
+
+MANIFEST_FILE = "attnquant.json"
+
+
+BLOCKS_HINT = "this almost always means ATTNQUANT_BLOCKS differs between decomposition and serving"
+
+
+def theta_key(stack: str, layer: int, family: str, part: str) -> str:
+    """``model.layers.3.self_attn.q_proj.theta_U`` for ``part`` in ``s``, ``U``, ``V``."""
+    return f"{stack}.{layer}.{family}.theta_{part}"
+
+
+def shared_key(family: str, band: int) -> str:
+    """``attnquant.shared.self_attn.q_proj.0.W0``."""
+    return f"attnquant.shared.{family}.{band}.W0"
+
+
+def basis_key(family: str, band: int) -> str:
+    """``attnquant.shared.self_attn.q_proj.0.basis`` (shared-basis form)."""
+    return f"attnquant.shared.{family}.{band}.basis"
+
+
+def dense_key(stack: str, layer: int, family: str) -> str:
+    return f"{stack}.{layer}.{family}.weight"
+
+
+def is_theta_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a directory holding an ``attnquant.json``."""
+    return (Path(path) / MANIFEST_FILE).is_file()
+
+
+def family_entry(
+    *,
+    form: str,
+    shape: Sequence[int],
+    dtype: np.dtype,
+    source_dtype: np.dtype,
+    ranks: Sequence[int],
+    bands: Sequence[int] | None,
+    side: str | None = None,
+    stored: int | None = None,
+    errors: Sequence[float] | None = None,
+    norms: Sequence[float] | None = None,
+    **extra: object,
+) -> dict:
+    """One family's ``attnquant.json`` entry (format version 2)."""
+    out_dim, in_dim = (int(d) for d in shape)
+    entry: dict[str, object] = {
+        "form": form,
+        "side": side,
+        "shape": [out_dim, in_dim],
+        "dtype": dtype_name(dtype),
+        "source_dtype": dtype_name(source_dtype),
+        "rank": max(int(r) for r in ranks),
+        "ranks": [int(r) for r in ranks],
+        "bands": None if bands is None else [int(b) for b in bands],
+        "blocks": None if bands is None else max(bands) + 1,
+        "dense_parameters": len(ranks) * out_dim * in_dim,
+    }
+    if stored is not None:
+        entry["stored_parameters"] = int(stored)
+    if errors is not None and norms is not None:
+        entry["errors"] = [float(e) for e in errors]
+        entry["norms"] = [float(n) for n in norms]
+        entry["error"] = pooled_error(entry["errors"], entry["norms"])  # type: ignore[arg-type]
+    entry.update(extra)
+    return entry
+
+
+def stored_of(
+    form: str,
+    shape: Sequence[int],
+    ranks: Sequence[int],
+    bands: Sequence[int] | None,
+    side: str | None = None,
+) -> int:
+    """Numbers a family of this form, ranks and bands stores (``s``, ``W0``, bases, ``U``, ``V``)."""
+    out_dim, in_dim = shape
+    if form == "banded":
+        assert bands is not None
+        G = max(bands) + 1
+        return G * out_dim * in_dim + sum(out_dim + r * (out_dim + in_dim) for r in ranks)
+    if form == "lowrank":
+        return sum(r * (out_dim + in_dim) for r in ranks)
+    assert bands is not None
+    basis_dim, coef_dim = (in_dim, out_dim) if side == "in" else (out_dim, in_dim)
+    widths = {b: ranks[i] for i, b in enumerate(bands)}
+    return sum(basis_dim * k for k in widths.values()) + sum(coef_dim * k for k in ranks)
+
+
+def theta_manifest(
+    *,
+    num_layers: int,
+    stack: str,
+    families: Mapping[str, dict],
+    svd: Mapping[str, object] | None,
+    source: dict | None,
+    aligned: Mapping[str, object] | None = None,
+    **extra: object,
+) -> dict:
+    """The ``attnquant.json`` manifest of a theta checkpoint holding ``families``.
+
+    ``svd`` is the truncated SVD's settings (:meth:`SVDOptions.to_json`), ``aligned`` the record
+    of a fit to an aligned copy (written last, after ``source``).
+    """
+    banded = [f for f in families.values() if f["form"] == "banded"]
+    Gs = {max(f["bands"]) + 1 for f in banded}
+    blocks = Gs.pop() if len(Gs) == 1 else None
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "writer": f"attnquant-core {__version__}",
+        # The G every banded family shares (what ATTNQUANT_BLOCKS is checked against); null
+        # when no family is banded or they disagree.
+        "blocks": blocks,
+        "num_layers": num_layers,
+        "passthrough": len(banded) == len(families) and blocks == num_layers,
+        "rank": max(f["rank"] for f in families.values()),
+        "stack": stack,
+        "forms": sorted({f["form"] for f in families.values()}),
+        "svd": dict(svd) if svd else None,
+        **extra,
+        "families": dict(families),
+        "source": source or {},
+    }
+    if aligned is not None:
+        manifest["aligned"] = dict(aligned)
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: Mapping) -> None:
+    """Write ``manifest`` as ``directory/attnquant.json``."""
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_json_manifest(
+    directory: Path, name: str, *, what: str, error: type[AttnquantError]
+) -> tuple[Path, Any]:
+    """``directory / name`` and its parsed JSON; ``error`` when the file is absent (``directory``
+    is not ``what``) or is not valid JSON."""
+    manifest_file = directory / name
+    if not manifest_file.is_file():
+        raise error(f"{directory}: not {what} (no {name})")
+    try:
+        return manifest_file, json.loads(manifest_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{manifest_file}: not valid JSON ({exc})") from exc
+
+
+def _int_list(where: Path, name: str, field: str, value: object, length: int) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or len(value) != length
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ):
+        raise ThetaFormatError(
+            f"{where}: family {name} has {field}={value!r}; expected {length} whole numbers >= 0"
+        )
+    return list(value)
+
+
+def check_manifest(where: Path, m: object) -> dict:
+    """Check a manifest of any readable version and return it in the version-2 shape."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise ThetaFormatError(f"{where}: not an {FORMAT_NAME} manifest")
+    version = m.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise ThetaFormatError(f"{where}: bad format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise ThetaFormatError(
+            f"{where}: format version {version} was written by a newer attnquant; this "
+            f"attnquant-core reads up to version {FORMAT_VERSION}: upgrade attnquant-core"
+        )
+    for field in ("blocks", "num_layers", "rank", "stack", "families"):
+        if field not in m:
+            raise ThetaFormatError(f"{where}: manifest has no {field!r}")
+    L = m["num_layers"]
+    if not isinstance(L, int) or L < 1:
+        raise ThetaFormatError(f"{where}: bad num_layers {L!r}")
+    if not isinstance(m["families"], dict) or not m["families"]:
+        raise ThetaFormatError(f"{where}: manifest lists no families")
+    if m["blocks"] is not None and not isinstance(m["blocks"], int):
+        raise ThetaFormatError(f"{where}: bad blocks {m['blocks']!r}")
+    if version == 1 and m["blocks"] is None:
+        raise ThetaFormatError(f"{where}: a version 1 manifest needs an integer 'blocks'")
+    m = dict(m)
+    families: dict[str, dict] = {}
+    for name, fam in m["families"].items():
+        fam = dict(fam)
+        required = (
+            ("shape", "dtype", "rank", "bands")
+            if version == 1
+            else ("shape", "dtype", "form", "ranks")
+        )
+        for field in required:
+            if field not in fam:
+                raise ThetaFormatError(f"{where}: family {name} has no {field!r}")
+        form = fam.setdefault("form", "banded")
+        if form not in FORMS or (version == 1 and form != "banded"):
+            raise ThetaFormatError(
+                f"{where}: family {name} has form {form!r}, which this version cannot read"
+            )
+        _int_list(where, name, "shape", fam["shape"], 2)
+        if version == 1:
+            fam["ranks"] = [fam["rank"]] * L
+        fam["ranks"] = _int_list(where, name, "ranks", fam["ranks"], L)
+        fam["rank"] = max(fam["ranks"])
+        if form == "lowrank":
+            fam["bands"], fam["side"] = None, None
+        else:
+            if not fam.get("bands"):
+                raise ThetaFormatError(f"{where}: family {name} ({form}) has no 'bands'")
+            fam["bands"] = _int_list(where, name, "bands", fam["bands"], L)
+            fam["blocks"] = max(fam["bands"]) + 1
+            side = fam.get("side")
+            if form == "shared_basis" and side not in SIDES:
+                raise ThetaFormatError(
+                    f"{where}: family {name} (shared_basis) has side {side!r}; "
+                    f"expected one of {', '.join(SIDES)}"
+                )
+            fam["side"] = side if form == "shared_basis" else None
+        families[name] = fam
+    m["families"] = families
+    return m

@@ -1,0 +1,230 @@
+"""Writing a theta checkpoint: every tensor of every family under its key, then the manifest.
+
+Writes go to a temporary directory that is renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .._errors import (
+    ThetaFormatError,
+)
+from ..forms._banded import FamilyTheta
+from ..forms._factored import LowRankFamily, SharedBasisFamily
+from ..forms._measure import FamilyErrors
+from ..forms._model import FORMS, ThetaFamily, ThetaModel
+from ._atomic import atomic_directory, copy_side_files
+from ._checkpoint import (
+    Checkpoint,
+)
+from ._manifest import (
+    basis_key,
+    family_entry,
+    shared_key,
+    theta_key,
+    theta_manifest,
+    write_manifest,
+)
+from ._safetensors import (
+    PlannedWriter,
+    TensorSpec,
+)
+
+__all__ = [
+    "copied_specs",
+    "family_specs",
+    "family_tensors",
+    "plain_specs",
+    "save_theta",
+    "source_digest",
+    "write_copied",
+]
+
+
+def family_specs(
+    name: str,
+    stack: str,
+    *,
+    form: str,
+    shape: tuple[int, int],
+    dtype: np.dtype,
+    ranks: Sequence[int],
+    bands: Sequence[int] | None,
+    side: str | None = None,
+) -> dict[str, tuple[TensorSpec, tuple[int, ...]]]:
+    """Every tensor a family of ``form`` stores: key -> (spec, the layers that read it)."""
+    out_dim, in_dim = shape
+    L = len(ranks)
+    specs: dict[str, tuple[TensorSpec, tuple[int, ...]]] = {}
+
+    def members(band: int) -> tuple[int, ...]:
+        return tuple(i for i in range(L) if bands is not None and bands[i] == band)
+
+    if form == "banded":
+        assert bands is not None
+        for b in range(max(bands) + 1):
+            specs[shared_key(name, b)] = (TensorSpec(dtype, (out_dim, in_dim)), members(b))
+        for layer, r in enumerate(ranks):
+            specs[theta_key(stack, layer, name, "s")] = (TensorSpec(dtype, (out_dim,)), (layer,))
+            specs[theta_key(stack, layer, name, "U")] = (TensorSpec(dtype, (out_dim, r)), (layer,))
+            specs[theta_key(stack, layer, name, "V")] = (TensorSpec(dtype, (in_dim, r)), (layer,))
+    elif form == "lowrank":
+        for layer, r in enumerate(ranks):
+            specs[theta_key(stack, layer, name, "U")] = (TensorSpec(dtype, (out_dim, r)), (layer,))
+            specs[theta_key(stack, layer, name, "V")] = (TensorSpec(dtype, (in_dim, r)), (layer,))
+    elif form == "shared_basis":
+        assert bands is not None
+        basis_dim, coef_dim, part = (
+            (in_dim, out_dim, "U") if side == "in" else (out_dim, in_dim, "V")
+        )
+        for b in range(max(bands) + 1):
+            layers = members(b)
+            specs[basis_key(name, b)] = (TensorSpec(dtype, (basis_dim, ranks[layers[0]])), layers)
+        for layer, k in enumerate(ranks):
+            specs[theta_key(stack, layer, name, part)] = (
+                TensorSpec(dtype, (coef_dim, k)),
+                (layer,),
+            )
+    else:
+        raise ThetaFormatError(f"{name}: unknown form {form!r} (forms: {', '.join(FORMS)})")
+    return specs
+
+
+def plain_specs(specs: Mapping[str, tuple[TensorSpec, tuple[int, ...]]]) -> dict[str, TensorSpec]:
+    return {k: v[0] for k, v in specs.items()}
+
+
+def family_tensors(
+    stack: str, fam: ThetaFamily, name: str | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Every stored tensor of an in-memory family, under its checkpoint key.
+
+    ``name`` is the family's key in the checkpoint (default: ``fam.name``).
+    """
+    name = fam.name if name is None else name
+    if isinstance(fam, FamilyTheta):
+        for b, W0 in enumerate(fam.shared):
+            yield shared_key(name, b), W0
+        for layer, t in enumerate(fam.layers):
+            for part in ("s", "U", "V"):
+                yield theta_key(stack, layer, name, part), getattr(t, part)
+    elif isinstance(fam, LowRankFamily):
+        for layer, (U, V) in enumerate(zip(fam.U, fam.V, strict=True)):
+            yield theta_key(stack, layer, name, "U"), U
+            yield theta_key(stack, layer, name, "V"), V
+    elif isinstance(fam, SharedBasisFamily):
+        for b, B in enumerate(fam.bases):
+            yield basis_key(name, b), B
+        part = "U" if fam.side == "in" else "V"
+        for layer, C in enumerate(fam.coefs):
+            yield theta_key(stack, layer, name, part), C
+    else:  # pragma: no cover - ThetaModel refuses other types
+        raise ThetaFormatError(f"{name}: {type(fam).__name__} is not a theta family")
+
+
+def source_digest(array: np.ndarray) -> str:
+    return "sha256:" + hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).data).hexdigest()
+
+
+def copied_specs(ckpt: Checkpoint) -> dict[str, TensorSpec]:
+    """The tensors a theta checkpoint copies unchanged from ``ckpt``: all but the projections."""
+    projection_keys = ckpt.projection_keys()
+    return {k: ckpt.spec(k) for k in ckpt.keys() if k not in projection_keys}
+
+
+def write_copied(
+    writer: PlannedWriter, ckpt: Checkpoint, keys: Iterable[str], digests: dict[str, str]
+) -> None:
+    """Copy each of ``keys`` from ``ckpt`` (checked finite) to ``writer``, one tensor at a time,
+    recording its source digest in ``digests``."""
+    for key in keys:
+        array = ckpt.get(key, check_finite=True)
+        digests[key] = source_digest(array)
+        writer.write(key, array)
+        del array
+
+
+def save_theta(
+    model: ThetaModel,
+    out: str | Path,
+    *,
+    config: Mapping | None = None,
+    source_dir: str | Path | None = None,
+    errors: Mapping[str, FamilyErrors] | None = None,
+    notes: Mapping[str, Mapping[str, object]] | None = None,
+    extra: Mapping[str, object] | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Write an in-memory :class:`ThetaModel` (and its ``extra`` dense tensors) as a theta checkpoint.
+
+    Families may be in any form (banded, low rank, shared basis) with per-layer ranks; each
+    family is stored in one dtype. ``errors`` adds per-layer errors to a family's manifest
+    entry, ``notes`` any other per-family fields, ``extra`` top-level manifest fields.
+    """
+    specs: dict[str, TensorSpec] = {
+        k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in model.extra.items()
+    }
+    families: dict[str, dict] = {}
+    for name, fam in model.families.items():
+        dtypes = {a.dtype for a in fam.arrays()}
+        if len(dtypes) != 1:
+            raise ThetaFormatError(
+                f"{name}: a theta checkpoint stores one dtype per family; got dtypes "
+                f"{sorted(map(str, dtypes))}"
+            )
+        dtype = dtypes.pop()
+        specs.update(
+            plain_specs(
+                family_specs(
+                    name,
+                    model.stack,
+                    form=fam.form,
+                    shape=fam.shape,
+                    dtype=dtype,
+                    ranks=fam.ranks,
+                    bands=fam.bands,
+                    side=fam.side,
+                )
+            )
+        )
+        errs = errors.get(name) if errors else None
+        families[name] = family_entry(
+            form=fam.form,
+            shape=fam.shape,
+            dtype=dtype,
+            source_dtype=dtype,
+            ranks=fam.ranks,
+            bands=fam.bands,
+            side=fam.side,
+            stored=fam.stored_parameters(),
+            errors=errs.errors if errs else None,
+            norms=errs.norms if errs else None,
+            **dict((notes or {}).get(name, {})),
+        )
+    with atomic_directory(Path(out), overwrite) as tmp:
+        if source_dir is not None:
+            copy_side_files(Path(source_dir), tmp)
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+        with PlannedWriter(tmp, specs) as writer:
+            for key, array in model.extra.items():
+                writer.write(key, array)
+            for name, fam in model.families.items():
+                for key, array in family_tensors(model.stack, fam, name):
+                    writer.write(key, array)
+        manifest = theta_manifest(
+            num_layers=model.num_layers,
+            stack=model.stack,
+            families=families,
+            svd=None,
+            source=None,
+            **dict(extra or {}),
+        )
+        write_manifest(tmp, manifest)
+    return manifest
