@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issues 6 and 7: one command for a lent GPU machine.
+# The prepared GPU check of issues 6, 7 and 17: one command for a lent GPU machine.
 #
 # What it measures, on the first accelerator MAX sees (an NVIDIA H200 when one is lent):
 #   1. tests/test_gpu.py -m gpu -k "not nvfp4": the GPU variant of attnquant-kernels'
@@ -11,9 +11,16 @@
 #      (emulated: packed weights dequantized in the graph) against the unquantized model on
 #      devices="gpu": max |logprob delta|, greedy agreement, weight bytes; encoding float32, else
 #      bfloat16 (the one that ran is recorded)                -> $OUT/nvfp4_parity_gpu.json
-#   3. benchmarks/bench_kernels.py --device gpu: one decoder layer's latency, custom op against
+#   3. tests/test_gpu.py -m gpu -k gemma (issue 17): a tiny Gemma 3 in bfloat16 (made in numpy,
+#      4 layers, 2 sliding + 2 global, head_dim 128) served by MAX's stock Gemma3ForCausalLM, then
+#      by attnquant's architecture from the passthrough theta checkpoint (identical tokens and
+#      log-probs required) and from G=1 r=16 (max |logprob delta| and greedy agreement); batch-1
+#      tok/s of each (device-graph capture: MAX 26.7 has none for Gemma 3, off for all three);
+#      MAX's log-probs against the numpy Gemma 3 reference on the same weights. One graph
+#      compiled (the three loads share it)            -> $OUT/gemma3_gpu.json
+#   4. benchmarks/bench_kernels.py --device gpu: one decoder layer's latency, custom op against
 #      the GEMM formulation (ranks 16/64/4, batches 1/16/64, bootstrap 95% CIs), rewritten after
-#      every case                                             -> $OUT/bench_kernels_gpu.json
+#      every case, in what is left of the budget        -> $OUT/bench_kernels_gpu.json
 #   The whole log goes to $OUT/gpu_check.log. Each step runs under `timeout`; a failing step does
 #   not stop the next, and the exit status is 1 when any failed. The steps share a budget of
 #   AQ_GPU_BUDGET_S seconds (default 520) counted once the environment is ready (~20 s).
@@ -313,10 +320,14 @@ else:
         exit 1
     fi
     local pytest=("${PY[@]}" -m pytest tests/test_gpu.py -m gpu -v -rA -W default -p no:cacheprovider)
-    # Kernels first; NVFP4 (two Llama compiles, four if float32 is refused) before the benchmark,
-    # which rewrites its JSON after every case, so a timeout there keeps the ranks measured.
-    step "kernels on the GPU: generated_linear / generated_mlp vs numpy" 150 "${pytest[@]}" -k "not nvfp4"
+    # Kernels first; NVFP4 (two Llama compiles, four if float32 is refused) and Gemma 3 (one
+    # compile) before the benchmark, which rewrites its JSON after every case, so a timeout there
+    # keeps the ranks measured.
+    step "kernels on the GPU: generated_linear / generated_mlp vs numpy" 150 \
+        "${pytest[@]}" -k "not nvfp4 and not gemma"
     step "NVFP4 on the GPU: demo model parity and weight bytes" 240 "${pytest[@]}" -k nvfp4
+    step "Gemma 3 bf16 on the GPU: stock vs theta passthrough and G=1 r=16, tok/s" 180 \
+        "${pytest[@]}" -k gemma
     step "latency on the GPU: custom op vs GEMM formulation" 300 \
         "${PY[@]}" benchmarks/bench_kernels.py --device gpu --ranks 16 64 4 --batches 1 16 64 \
         --repetitions 20 --inner 20 --out "$OUT/bench_kernels_gpu.json"

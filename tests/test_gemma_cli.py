@@ -87,3 +87,24 @@ def test_gemma_on_a_cpu_says_it_needs_a_gpu(gemma3: Path, command: str, capsys) 
     err = capsys.readouterr().err
     assert "Gemma3ForCausalLM needs a GPU in MAX 26.7" in err
     assert "not supported by MAX engine" not in err
+
+
+def test_gpu_stage_preparation_runs_on_the_cpu(tmp_path: Path) -> None:
+    """The CPU side of scripts/gpu_check.sh's Gemma stage (tests/test_gpu.py), kept working here:
+    the checkpoints it serves and the numpy reference it compares MAX with."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_gpu_checks", Path(__file__).with_name("test_gpu.py")
+    )
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    paths = gpu.prepare_gemma(tmp_path)
+    assert ThetaCheckpoint.open(paths["passthrough"]).passthrough
+    assert ThetaCheckpoint.open(paths["g1r16"]).rank == 16
+    assert (paths["dense"] / "tokenizer.json").exists()
+    cont = [[7] * gpu.GEMMA_NEW_TOKENS for _ in gpu.GEMMA_PROMPTS]
+    scores = gpu.gemma_reference_scores(paths["dense"], cont)
+    assert all(s.shape == (gpu.GEMMA_NEW_TOKENS,) and (s < 0).all() for s in scores)
+    ids = max(max(p) for p in gpu.GEMMA_PROMPTS)
+    assert ids < json.loads((paths["dense"] / "config.json").read_text())["vocab_size"]
