@@ -190,10 +190,17 @@ def decompose(
         (console if json_summary else out).print_table(table)
         for note in report.notes:
             console.print(f"note: {note}")
+        # Core names SRC as the source and records the alignment in OUTPUT's manifest.
         _decompose(
-            report.path, output, blocks, rank, value, overwrite=overwrite, quiet=json_summary
+            report.path,
+            output,
+            blocks,
+            rank,
+            value,
+            overwrite=overwrite,
+            quiet=json_summary,
+            aligned_from=src,
         )
-    _record_source(output, src, aligned=True)
     _print_json_summary(output, json_summary)
 
 
@@ -231,26 +238,6 @@ def _print_json(payload: object) -> None:
     sys.stdout.write(json.dumps(payload) + "\n")
 
 
-def _record_source(output: Path, src: Path, *, aligned: bool) -> None:
-    """Say in OUTPUT's manifest that it was fitted to an aligned copy of ``src``."""
-    import json
-    import os
-
-    from attnquant_core import ALIGN_MANIFEST_FILE, MANIFEST_FILE
-
-    manifest_file = output / MANIFEST_FILE
-    manifest = json.loads(manifest_file.read_text())
-    manifest["source"]["path"] = str(src)
-    manifest["aligned"] = {
-        "applied": aligned,
-        "transforms": ALIGN_MANIFEST_FILE,
-        "note": "weights and source digests are those of the aligned copy; the same function",
-    }
-    tmp = manifest_file.with_name(f".{MANIFEST_FILE}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, manifest_file)
-
-
 def _decompose(
     src: Path,
     output: Path,
@@ -260,11 +247,15 @@ def _decompose(
     *,
     overwrite: bool,
     quiet: bool = False,
+    aligned_from: Path | None = None,
 ) -> None:
     """Fit to ``budget``, or band every family with ``blocks``/``rank``; print the summary
-    table on stdout (on stderr when ``quiet``: ``--json`` keeps stdout for the JSON)."""
+    table on stdout (on stderr when ``quiet``: ``--json`` keeps stdout for the JSON).
+    ``aligned_from``: ``src`` is an aligned copy of it (recorded in the manifest by core)."""
     if budget is not None:
-        _decompose_budget(src, output, budget, overwrite=overwrite, quiet=quiet)
+        _decompose_budget(
+            src, output, budget, overwrite=overwrite, quiet=quiet, aligned_from=aligned_from
+        )
         return
     with _progress_bars() as progress:
         manifest = decompose_checkpoint(
@@ -274,6 +265,7 @@ def _decompose(
             rank=16 if rank is None else rank,
             progress=_reporter(progress),
             overwrite=overwrite,
+            aligned_from=aligned_from,
         )
     table = Table(title=f"{output}  (G={manifest['blocks']}, r={manifest['rank']})")
     for col in ("family", "shape", "bands", "rank", "rel. error", "stored / dense"):
@@ -297,14 +289,25 @@ def _decompose(
 
 
 def _decompose_budget(
-    src: Path, output: Path, budget: float, *, overwrite: bool, quiet: bool = False
+    src: Path,
+    output: Path,
+    budget: float,
+    *,
+    overwrite: bool,
+    quiet: bool = False,
+    aligned_from: Path | None = None,
 ) -> None:
     """``decompose --budget``: fit, then say per family what was chosen and why."""
     from attnquant_core import decompose_budget
 
     with _progress_bars() as progress:
         report = decompose_budget(
-            src, output, budget=budget, progress=_reporter(progress), overwrite=overwrite
+            src,
+            output,
+            budget=budget,
+            progress=_reporter(progress),
+            overwrite=overwrite,
+            aligned_from=aligned_from,
         )
     table = budget_table(report, title=f"{output}  (budget {budget:g}, auto form)")
     (console if quiet else out).print_table(table)
