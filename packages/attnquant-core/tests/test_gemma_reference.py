@@ -334,3 +334,41 @@ def test_reference_against_transformers(gemma3: Path) -> None:
         theirs = model(torch.tensor([IDS])).logits[0].double().numpy()
     ours = gemma3_logits(config, state, IDS, dtype=np.float32)
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_layer_by_layer_on_a_batch_equals_the_whole_forward(gemma3: Path) -> None:
+    """The pieces a calibration pass uses: a batch of windows through gemma3_layer, one layer
+    at a time, gives each window's gemma3_logits; capture sees every projection's input."""
+    from attnquant_core.gemma_reference import (
+        gemma3_embed,
+        gemma3_head,
+        gemma3_layer,
+        gemma3_rope_tables,
+        gemma3_spec,
+        gemma_norm,
+    )
+
+    config, state = _load(gemma3)
+    windows = np.array([IDS, IDS[::-1], [3] * len(IDS)])
+    spec = gemma3_spec(config)
+
+    def get(key: str) -> np.ndarray:
+        return np.asarray(state[key], np.float64)
+
+    seen: dict[str, list[tuple[int, ...]]] = {}
+
+    def capture(projections: tuple[str, ...], x: np.ndarray) -> None:
+        for name in projections:
+            seen.setdefault(name, []).append(x.shape)
+
+    h = gemma3_embed(spec, get("model.embed_tokens.weight")[windows])
+    tables = gemma3_rope_tables(config, spec, windows.shape[1])
+    for i in range(4):
+        h = gemma3_layer(spec, get, f"model.layers.{i}", h, tables, layer=i, capture=capture)
+    norm, head = gemma3_head(get, state.__contains__)
+    logits = gemma_norm(h, norm, spec.eps) @ head.T
+    for row, ids in zip(logits, windows, strict=True):
+        np.testing.assert_allclose(row, gemma3_logits(config, state, ids), rtol=1e-12, atol=1e-12)
+    assert seen["self_attn.q_proj"] == [(3, len(IDS), 64)] * 4
+    assert seen["self_attn.o_proj"] == [(3, len(IDS), 64)] * 4
+    assert seen["mlp.down_proj"] == [(3, len(IDS), 128)] * 4
