@@ -1,0 +1,268 @@
+"""Quality by function: held-out perplexity, top-1 agreement and KL of compressed demo models.
+
+On the embedded demo model (a trained float32 6-layer Llama), at each budget (stored over
+dense parameters of the projections) this compresses the model several ways and judges every
+result on the same held-out text in one run (attnquant-core's numpy forward):
+
+* ``svd_weight_global`` — (a) per-layer truncated SVD of the weights, ranks allocated
+  globally by weight error per parameter (the Frobenius-optimal plain baseline);
+* ``svd_whitened_uniform`` — (b) SVD-LLM: per-layer whitened truncated SVD (``W S``,
+  ``S S^T = sum x x^T`` of the projection's calibration inputs, then ``V^T S^{-1}``), every
+  matrix at the same parameter ratio;
+* ``svd_whitened_global`` — whitened SVD, ranks allocated globally by the predicted output
+  error per parameter (the whitened spectrum), each projection's error relative to its own
+  output energy;
+* ``attnquant_auto`` — (c) ``attnquant decompose --budget`` as the project stands: the auto
+  form, fitted to the weight error (``--calibration`` when core's fit takes statistics).
+
+Statistics come from ``attnquant calibrate``'s code on the demo's shipped calibration sample
+(files of its training split); the held-out text is the shipped held-out sample (files it was
+not trained on). The perplexity ratio is to the dense model on the same windows.
+
+Run: ``uv run --all-packages --group bench python benchmarks/bench_quality.py`` (or
+``uv run nox -s bench -- bench_quality``); the JSON goes to ``--out``, by default
+``bench-results/bench_quality.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+from attnquant_core.calib import (
+    ModelSource,
+    calibrate,
+    evaluate,
+    open_source,
+    peak_rss_bytes,
+    read_stats,
+    read_texts,
+    token_stream,
+    token_windows,
+    whitening,
+)
+
+BUDGETS = (0.9, 0.8, 0.7, 0.5)
+ROOT = Path(__file__).resolve().parents[1]
+CLI = ROOT / "packages/attnquant-cli/src/attnquant_cli"
+DEMO = CLI / "demo_model"
+CALIBRATION = CLI / "data/demo_calibration.jsonl"
+HELDOUT = CLI / "data/demo_heldout.jsonl"
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def projection_keys(config: dict) -> list[str]:
+    return [
+        f"model.layers.{layer}.{name}.weight"
+        for layer in range(config["num_hidden_layers"])
+        for name in PROJECTIONS
+    ]
+
+
+def allocate_global(
+    spectra: dict[str, np.ndarray],
+    shapes: dict[str, tuple[int, int]],
+    budget: float,
+    *,
+    weights: dict[str, float] | None = None,
+) -> dict[str, int]:
+    """Ranks that keep the most ``weight * sigma^2`` per stored parameter within the budget.
+
+    Each rank-one term of matrix ``k`` costs ``out + in`` parameters and removes
+    ``weights[k] * sigma_i^2`` of predicted error; singular values decrease, so taking the
+    best ratios first takes a prefix of every spectrum.
+    """
+    dense = sum(o * i for o, i in shapes.values())
+    keys = list(spectra)
+    gains = np.concatenate(
+        [(weights or {}).get(k, 1.0) * spectra[k] ** 2 / sum(shapes[k]) for k in keys]
+    )
+    owner = np.concatenate([np.full(len(spectra[k]), n) for n, k in enumerate(keys)])
+    costs = np.array([sum(shapes[keys[n]]) for n in owner])
+    order = np.argsort(-gains, kind="stable")
+    spent = np.cumsum(costs[order])
+    chosen = order[spent <= budget * dense]
+    counts = np.bincount(owner[chosen], minlength=len(keys))
+    return {k: int(counts[n]) for n, k in enumerate(keys)}
+
+
+def uniform_ranks(shapes: dict[str, tuple[int, int]], budget: float) -> dict[str, int]:
+    """Every matrix at the same parameter ratio: ``r = floor(budget * out * in / (out + in))``."""
+    return {k: min(int(budget * o * i / (o + i)), o, i) for k, (o, i) in shapes.items()}
+
+
+def compress(
+    state: dict[str, np.ndarray],
+    ranks: dict[str, int],
+    fit: Callable[[str, np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+) -> tuple[dict[str, np.ndarray], int]:
+    """The dense state with each projection replaced by its rank-``ranks[k]`` fit, and the
+    stored parameters of the projections."""
+    out = dict(state)
+    stored = 0
+    for key, r in ranks.items():
+        U, V = fit(key, state[key], r)
+        out[key] = (U @ V.T).astype(state[key].dtype)
+        stored += r * sum(state[key].shape)
+    return out, stored
+
+
+def source_of(name: str, config: dict, state: dict[str, np.ndarray]) -> ModelSource:
+    return ModelSource(path=Path(name), config=config, keys=frozenset(state), get=state.__getitem__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per window")
+    parser.add_argument(
+        "--heldout-windows", type=int, default=None, help="held-out windows (default: all)"
+    )
+    parser.add_argument("--damping", type=float, default=1e-2, help="whitening damping")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench_quality.json")
+    parser.add_argument(
+        "--skip-auto", action="store_true", help="leave out attnquant decompose --budget"
+    )
+    args, unknown = parser.parse_known_args()
+    if unknown:
+        print(f"note: ignoring options of other benchmarks: {unknown}")
+    started = time.perf_counter()
+    config = json.loads((DEMO / "config.json").read_text())
+    state = safetensors.numpy.load_file(str(DEMO / "model.safetensors"))
+    keys = projection_keys(config)
+    shapes = {k: tuple(state[k].shape) for k in keys}
+
+    # Calibration statistics, through the same code as `attnquant calibrate demo`.
+    base = open_source(DEMO)
+    calib_windows = token_windows(
+        token_stream(DEMO, read_texts([CALIBRATION]), config), seq_len=args.seq_len, samples=128
+    )
+    heldout = token_windows(
+        token_stream(DEMO, read_texts([HELDOUT]), config),
+        seq_len=args.seq_len,
+        samples=args.heldout_windows,
+        seed=None,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="bench_quality-"))
+    t0 = time.perf_counter()
+    report = calibrate(base, calib_windows, tmp / "demo.stats.safetensors")
+    calib_s = time.perf_counter() - t0
+    stats = read_stats(report.path)
+    whites = {
+        k: whitening(stats.gram(k), damping=args.damping, where=f"{k} input gram") for k in keys
+    }
+    print(
+        f"calibration: {report.tokens} tokens ({report.sequences} x {report.seq_len}) in "
+        f"{calib_s:.1f} s; held-out: {heldout.shape[0]} x {heldout.shape[1]} tokens",
+        flush=True,
+    )
+
+    # Spectra: plain and whitened (one SVD per matrix, reused for every budget).
+    plain_svd = {k: np.linalg.svd(state[k].astype(np.float64), full_matrices=False) for k in keys}
+    white_svd = {k: np.linalg.svd(whites[k].whiten(state[k]), full_matrices=False) for k in keys}
+
+    def fit_plain(key: str, W: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
+        P, s, Qt = plain_svd[key]
+        return P[:, :r] * s[:r], Qt[:r].T
+
+    def fit_whitened(key: str, W: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
+        P, s, Qt = white_svd[key]
+        return P[:, :r] * s[:r], whites[key].unwhiten(Qt[:r].T)
+
+    energy = {k: float(np.sum(white_svd[k][1] ** 2)) for k in keys}
+    methods: dict[str, Callable[[float], tuple[dict, int]]] = {
+        "svd_weight_global": lambda b: compress(
+            state, allocate_global({k: plain_svd[k][1] for k in keys}, shapes, b), fit_plain
+        ),
+        "svd_whitened_uniform": lambda b: compress(state, uniform_ranks(shapes, b), fit_whitened),
+        "svd_whitened_global": lambda b: compress(
+            state,
+            allocate_global(
+                {k: white_svd[k][1] for k in keys},
+                shapes,
+                b,
+                weights={k: 1.0 / energy[k] for k in keys},
+            ),
+            fit_whitened,
+        ),
+    }
+    dense_params = sum(o * i for o, i in shapes.values())
+    rows = []
+    for budget in args.budgets:
+        sources, meta = [base], []
+        for name, make in methods.items():
+            compressed, stored = make(budget)
+            sources.append(source_of(f"{name}@{budget}", config, compressed))
+            meta.append((name, stored / dense_params, None))
+        if not args.skip_auto:
+            from attnquant_core import decompose_budget
+
+            out = tmp / f"auto-{budget}"
+            auto = decompose_budget(DEMO, out, budget=budget)
+            sources.append(open_source(out))
+            meta.append(("attnquant_auto", auto.stored / auto.dense, None))
+        t0 = time.perf_counter()
+        results = evaluate(sources, heldout)
+        eval_s = time.perf_counter() - t0
+        dense = results[0]
+        for (name, achieved, _), r in zip(meta, results[1:], strict=True):
+            rows.append(
+                {
+                    "budget": budget,
+                    "method": name,
+                    "stored_fraction": round(float(achieved), 4),
+                    "perplexity": r.perplexity,
+                    "perplexity_ratio": r.perplexity / dense.perplexity,
+                    "top1_agreement": r.top1,
+                    "kl": r.kl,
+                }
+            )
+            print(
+                f"budget {budget:.2f} {name:<22} ppl {r.perplexity:8.3f} "
+                f"(x{r.perplexity / dense.perplexity:.4f})  top-1 {100 * r.top1:6.2f}%  "
+                f"KL {r.kl:.4f}",
+                flush=True,
+            )
+        print(f"  (eval {eval_s:.1f} s, dense ppl {dense.perplexity:.3f})", flush=True)
+    result = {
+        "model": "demo",
+        "forward": "numpy float32",
+        "calibration": {
+            "data": str(CALIBRATION.relative_to(ROOT)),
+            "tokens": report.tokens,
+            "damping": args.damping,
+            "seconds": round(calib_s, 1),
+        },
+        "heldout": {
+            "data": str(HELDOUT.relative_to(ROOT)),
+            "windows": int(heldout.shape[0]),
+            "seq_len": int(heldout.shape[1]),
+            "predictions": dense.tokens,
+            "dense_perplexity": dense.perplexity,
+        },
+        "rows": rows,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out} ({result['wall_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
