@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors
+import safetensors.numpy
 
 from attnquant_core import (
     FAMILIES,
@@ -222,5 +223,30 @@ def test_gemma4_global_layers_of_their_own_shape_are_refused_clearly(tmp_path: P
     """Gemma 4 31B's global layers have another head size and no v_proj, so a family is not
     one shape across layers. Core refuses that today, naming the family and the layers."""
     path = write_tiny_gemma4(tmp_path / "g4")
-    with pytest.raises(CheckpointError, match=r"self_attn\.q_proj.*layers\.1\."):
+    with pytest.raises(CheckpointError, match=r"self_attn\.q_proj.*layers\.1\.") as info:
         open_checkpoint(path)
+    assert "global_head_dim" in str(info.value) and "passthrough" in str(info.value)
+    # Same head size, but no v_proj in the global layers (attention_k_eq_v): named too.
+    path = write_tiny_gemma4(tmp_path / "kv", global_head_dim=16, num_global_key_value_heads=2)
+    with pytest.raises(CheckpointError, match=r"v_proj.*missing \[1, 3\].*attention_k_eq_v"):
+        open_checkpoint(path)
+    # Uniform layers carry no such hint in their errors.
+    assert "global_head_dim" not in str(_error_of(tmp_path))
+
+
+def _error_of(tmp_path: Path) -> Exception:
+    """The error of a uniform Gemma 4 with one layer's q_proj cut short."""
+    path = write_tiny_gemma4(
+        tmp_path / "uniform",
+        global_head_dim=16,
+        num_global_key_value_heads=None,
+        attention_k_eq_v=False,
+    )
+    shard = path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(shard)
+    key = "model.language_model.layers.2.self_attn.q_proj.weight"
+    tensors[key] = np.ascontiguousarray(tensors[key][:32])
+    safetensors.numpy.save_file(tensors, shard)
+    with pytest.raises(CheckpointError, match="shape mismatch") as info:
+        open_checkpoint(path)
+    return info.value

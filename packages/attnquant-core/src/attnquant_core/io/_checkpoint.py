@@ -189,6 +189,30 @@ def _shard_path(directory: Path, index_file: Path, key: str, name: object) -> Pa
     return shard
 
 
+def _layer_type_hint(path: Path) -> str:
+    """Why a family may differ between layers: Gemma 4's global layers (from ``config.json``)."""
+    if not path.exists():  # an in-memory state named for messages only
+        return ""
+    directory = path if path.is_dir() else path.parent
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        text = config.get("text_config") or config
+        mixed = bool(text.get("attention_k_eq_v")) or text.get("global_head_dim") not in (
+            None,
+            text.get("head_dim"),
+        )
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not mixed:
+        return ""
+    return (
+        ". Its global layers (layer_types 'full_attention') have their own head size "
+        "(global_head_dim) and, with attention_k_eq_v, no v_proj, as in Gemma 4 31B: "
+        "attnquant-core does not decompose such checkpoints yet; attnquant-max serves them "
+        "unchanged at passthrough (ATTNQUANT_BLOCKS unset)"
+    )
+
+
 def detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo]:
     found: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
     for key in files.keys():
@@ -219,6 +243,7 @@ def detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo
             raise CheckpointError(
                 f"{path}: {stack}.{missing[0]}.{name}.weight is missing "
                 f"(family {name} has {len(layers)} of {num_layers} layers; missing {missing})"
+                + _layer_type_hint(path)
             )
         keys = tuple(layers[i] for i in range(num_layers))
         first = files.spec(keys[0])
@@ -230,6 +255,7 @@ def detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo
                 raise CheckpointError(
                     f"{path}: shape mismatch inside family {name}: {key} is "
                     f"{list(spec.shape)} but {keys[0]} is {list(first.shape)}"
+                    + _layer_type_hint(path)
                 )
             if not is_float(spec.dtype) or spec.dtype != first.dtype:
                 raise CheckpointError(
