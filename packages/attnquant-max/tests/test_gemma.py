@@ -225,7 +225,7 @@ def test_wrong_blocks_is_refused_naming_the_layers(
 ) -> None:
     with config_override(AttnquantConfig(blocks=1)), pytest.raises(BandMismatchError) as info:
         _our_state(name, max_archs, banded[name])
-    assert "layer 2" in str(info.value) or "layers" in str(info.value)
+    assert "layers [2, 3] have no band-compatible W0" in str(info.value)
     assert "ATTNQUANT_BLOCKS" in str(info.value)
 
 
