@@ -435,9 +435,11 @@ def gemma_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_gpu_gemma3_passthrough_serves_identical_tokens(gemma_gpu: dict[str, Any]):
-    """The theta checkpoint at passthrough is the dense model: same tokens, same log-probs."""
+    """The theta checkpoint at passthrough is the dense model: same tokens, same log-probs (the
+    same bf16 weights in the same graph; the bound only allows for a non-deterministic GPU
+    reduction, the JSON keeps the exact figure)."""
     assert gemma_gpu["passthrough"]["tokens"] == gemma_gpu["stock_tokens"], gemma_gpu
-    assert gemma_gpu["passthrough"]["max_abs_logprob_delta"] == 0.0, gemma_gpu
+    assert gemma_gpu["passthrough"]["max_abs_logprob_delta"] <= 1e-5, gemma_gpu
     assert gemma_gpu["passthrough"]["agreement"] == 1.0, gemma_gpu
 
 
