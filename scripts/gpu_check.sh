@@ -21,7 +21,8 @@
 #   4. benchmarks/bench_kernels.py --device gpu: one decoder layer's latency, custom op against
 #      the GEMM formulation (ranks 16/64/4, batches 1/16/64, bootstrap 95% CIs), rewritten after
 #      every case, in what is left of the budget        -> $OUT/bench_kernels_gpu.json
-#   The whole log goes to $OUT/gpu_check.log. Each step runs under `timeout`; a failing step does
+#   AQ_GPU_STEPS=REGEX runs only the steps whose name matches (e.g. AQ_GPU_STEPS=Gemma for step 3
+#   alone; the device checks always run). The whole log goes to $OUT/gpu_check.log. Each step runs under `timeout`; a failing step does
 #   not stop the next, and the exit status is 1 when any failed. The steps share a budget of
 #   AQ_GPU_BUDGET_S seconds (default 520) counted once the environment is ready (~20 s).
 #
@@ -276,6 +277,11 @@ DEADLINE=0
 step() {
     local name=$1 cap=$2 left rc=0 why
     shift 2
+    if [[ -n "${AQ_GPU_STEPS:-}" && "$name" != "nvidia-smi" && "$name" != "MAX accelerator API" &&
+        ! "$name" =~ $AQ_GPU_STEPS ]]; then
+        say "$name: skipped (AQ_GPU_STEPS=$AQ_GPU_STEPS)"
+        return 0
+    fi
     left=$((DEADLINE - SECONDS))
     ((cap > left)) && cap=$left
     if ((cap < 20)); then
