@@ -54,6 +54,14 @@ TRANSFORMERS_VERSION = "5.12.1"
 #: Token ids of the optional byte-level tokenizer: 256 byte tokens, then these specials.
 _TOKENIZER_SPECIALS = {"bos": 256, "eos": 257, "pad": 258}
 
+#: The four norms of every Gemma decoder layer (attention and feed-forward, before and after).
+_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
 _DTYPES: dict[str, Any] = {
     "bfloat16": ml_dtypes.bfloat16,
     "float32": np.float32,
@@ -315,12 +323,7 @@ def gemma3_text_tensors(
             tensors[f"{prefix}.layers.{i}.{family}.weight"] = w
     for i in layers:
         p = f"{prefix}.layers.{i}."
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
+        for norm in _LAYER_NORMS:
             tensors[p + norm + ".weight"] = _norm(rng, H, offset=0.0)
         tensors[p + "self_attn.q_norm.weight"] = _norm(rng, D, offset=0.0)
         tensors[p + "self_attn.k_norm.weight"] = _norm(rng, D, offset=0.0)
@@ -373,12 +376,7 @@ def gemma4_text_tensors(
             tensors[f"{prefix}.layers.{i}.{family}.weight"] = w
     for i in range(L):
         p = f"{prefix}.layers.{i}."
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
+        for norm in _LAYER_NORMS:
             tensors[p + norm + ".weight"] = _norm(rng, H, offset=1.0)
         tensors[p + "layer_scalar"] = np.ones(1)
     tensors[f"{prefix}.norm.weight"] = _norm(rng, H, offset=1.0)
