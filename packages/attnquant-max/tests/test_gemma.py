@@ -31,7 +31,12 @@ from attnquant_max._config import GPU_ONLY_ARCHITECTURES, DeviceError, require_d
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-ARCHS = ["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration"]
+ARCHS = [
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForConditionalGeneration",
+]
 WRITERS: dict[str, Callable[..., Path]] = {
     "Gemma3ForCausalLM": write_tiny_gemma3,
     "Gemma3ForConditionalGeneration": write_tiny_gemma3_conditional,
@@ -40,7 +45,22 @@ WRITERS: dict[str, Callable[..., Path]] = {
         path, global_head_dim=16, num_global_key_value_heads=None, attention_k_eq_v=False
     ),
 }
+
+
+def _write_gemma4_unified(path: Path) -> Path:
+    """Gemma 4 12B's layout ("gemma4_unified"): Gemma 4's keys under another config type."""
+    path = WRITERS["Gemma4ForConditionalGeneration"](path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        architectures=["Gemma4UnifiedForConditionalGeneration"], model_type="gemma4_unified"
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+WRITERS["Gemma4UnifiedForConditionalGeneration"] = _write_gemma4_unified
 STACKS = {
+    "Gemma4UnifiedForConditionalGeneration": "model.language_model.layers",
     "Gemma3ForCausalLM": "model.layers",
     "Gemma3ForConditionalGeneration": "language_model.model.layers",
     "Gemma4ForConditionalGeneration": "model.language_model.layers",
@@ -166,7 +186,7 @@ def test_passthrough_hands_max_what_the_stock_adapter_makes(
     with config_override(AttnquantConfig()):
         _assert_same(_our_state(name, max_archs, passthrough[name]), stock)
         _assert_same(_our_state(name, max_archs, dense[name]), stock)  # dense, unchanged
-    if name == "Gemma4ForConditionalGeneration":  # and after MAX's q/k/v, gate/up fusion
+    if name.startswith("Gemma4"):  # and after MAX's q/k/v, gate/up fusion
         from max.pipelines.architectures.gemma4.weight_adapters import (
             fuse_gemma4_projection_weights,
         )

@@ -11,8 +11,8 @@ path the model, its graph and its kernels are MAX's.
   (:class:`~attnquant_max._ingraph.ThetaLlama3Model`) builds the theta model
   when the adapter hands it theta tensors. The other architectures refuse those
   paths at load.
-* ``Gemma3ForConditionalGeneration`` and ``Gemma4ForConditionalGeneration``
-  read ``self.weights`` directly and take no adapter in MAX 26.7, so a subclass
+* ``Gemma3ForConditionalGeneration``, ``Gemma4ForConditionalGeneration`` and
+  ``Gemma4UnifiedForConditionalGeneration`` (Gemma 4 12B) read ``self.weights`` directly and take no adapter in MAX 26.7, so a subclass
   of their pipeline model swaps the rebuilt weights in before the stock load.
 
 Gemma3/Gemma4 are GPU-only in MAX (bf16 encodings); only Llama runs on CPU.
@@ -34,7 +34,7 @@ from max.pipelines.architectures.gemma3multimodal import (
 )
 from max.pipelines.architectures.gemma3multimodal import gemma3_multimodal_arch
 from max.pipelines.architectures.gemma4 import Gemma3_MultiModalModel as _StockGemma4Model
-from max.pipelines.architectures.gemma4 import gemma4_arch
+from max.pipelines.architectures.gemma4 import gemma4_arch, gemma4_unified_arch
 from max.pipelines.architectures.llama3 import llama_arch
 from max.pipelines.architectures.llama3 import weight_adapters as llama_adapters
 from max.pipelines.lib import SupportedArchitecture
@@ -141,6 +141,8 @@ def build_architectures() -> list[SupportedArchitecture]:
         ),
         dataclasses.replace(gemma3_multimodal_arch, pipeline_model=Gemma3MultiModalThetaModel),
         dataclasses.replace(gemma4_arch, pipeline_model=Gemma4ThetaModel),
+        # Gemma 4 12B ("gemma4_unified"): the Gemma 4 model and loader, served text-only.
+        dataclasses.replace(gemma4_unified_arch, pipeline_model=Gemma4ThetaModel),
     ]
 
 

@@ -310,6 +310,7 @@ GPU_ONLY_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "Gemma3ForCausalLM": ("bfloat16",),
     "Gemma3ForConditionalGeneration": ("bfloat16", "float8_e4m3fn"),
     "Gemma4ForConditionalGeneration": ("bfloat16", "float16", "float4_e2m1fnx2"),
+    "Gemma4UnifiedForConditionalGeneration": ("bfloat16", "float16", "float4_e2m1fnx2"),
 }
 
 
