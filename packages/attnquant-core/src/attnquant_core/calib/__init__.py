@@ -15,6 +15,27 @@
   base model on held-out windows.
 """
 
+from ..fit._whiten import (
+    DEFAULT_DAMPING,
+    Whitening,
+    output_error,
+    whitened_residual_svd,
+    whitened_row_scale,
+    whitened_shared_basis,
+    whitened_spectrum,
+    whitened_svd,
+    whitening,
+)
+from ..io._calibration import (
+    GRAM_SUFFIX,
+    CalibrationError,
+    CalibrationStats,
+    StatsWriter,
+    gram_key,
+    read_stats,
+    stats_digest,
+    write_stats,
+)
 from ._data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, read_texts, token_stream, token_windows
 from ._evaluate import EvalResult, evaluate
 from ._forward import (
@@ -25,27 +46,6 @@ from ._forward import (
     open_source,
     output_head,
     peak_rss_bytes,
-)
-from ._stats import (
-    GRAM_SUFFIX,
-    CalibrationError,
-    CalibrationStats,
-    StatsWriter,
-    gram_key,
-    read_stats,
-    stats_digest,
-    write_stats,
-)
-from ._whiten import (
-    DEFAULT_DAMPING,
-    Whitening,
-    output_error,
-    whitened_residual_svd,
-    whitened_row_scale,
-    whitened_shared_basis,
-    whitened_spectrum,
-    whitened_svd,
-    whitening,
 )
 
 __all__ = [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._stats import CalibrationError
+from ..io._calibration import CalibrationError
 
 __all__ = [
     "DEFAULT_SAMPLES",

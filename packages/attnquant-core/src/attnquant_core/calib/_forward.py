@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import llama_reference as ref
-from ._stats import CalibrationError, StatsWriter
+from ..io import ThetaCheckpoint, is_theta_checkpoint, open_checkpoint, parse_projection_key
+from ..io._calibration import CalibrationError, StatsWriter
 
 __all__ = [
     "CalibrationReport",
@@ -87,13 +88,6 @@ def open_source(path: str | Path) -> ModelSource:
     A theta checkpoint is read through core's public API: the stock keys are its
     ``ThetaCheckpoint.stock_keys()``, each projection is rebuilt with ``rebuild``.
     """
-    from attnquant_core import (
-        ThetaCheckpoint,
-        is_theta_checkpoint,
-        open_checkpoint,
-        parse_projection_key,
-    )
-
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -113,11 +107,20 @@ def open_source(path: str | Path) -> ModelSource:
             return theta.rebuild(parsed[2], parsed[1])
 
         return ModelSource(
-            path=path, config=config, keys=stock, get=get_theta, prefix=_prefix(theta.stack), theta=True
+            path=path,
+            config=config,
+            keys=stock,
+            get=get_theta,
+            prefix=_prefix(theta.stack),
+            theta=True,
         )
     ckpt = open_checkpoint(path)
     return ModelSource(
-        path=path, config=config, keys=frozenset(ckpt.keys()), get=ckpt.get, prefix=_prefix(ckpt.stack)
+        path=path,
+        config=config,
+        keys=frozenset(ckpt.keys()),
+        get=ckpt.get,
+        prefix=_prefix(ckpt.stack),
     )
 
 

@@ -49,6 +49,7 @@ from ..forms._identity import compute_dtype
 from ..forms._measure import pooled_error
 from ..forms._model import ThetaFamily, ThetaModel
 from ..io._atomic import atomic_directory, copy_side_files
+from ..io._calibration import CalibrationStats
 from ..io._checkpoint import Checkpoint, open_checkpoint
 from ..io._manifest import (
     basis_key,
@@ -81,6 +82,8 @@ from ._spectra import (
     _Source,
     _spectra_all,
 )
+from ._whiten import Whitening
+from ._whitened import Calibration, as_calibration, fit_layer_whitened, scaled_whitening
 
 __all__ = ["decompose_budget", "fit_budget"]
 
@@ -119,11 +122,20 @@ def _fit_family(
         if progress is not None:
             progress(DecomposeProgress(name, layer, L, errors[layer]))
 
+    def white(layer: int) -> Whitening | None:
+        return src.white(layer) if src.white is not None else None
+
     if c.form == "lowrank":
         for layer in range(L):
             W = read(layer)
             r = choice.ranks[layer]
-            if r:
+            w = white(layer)
+            if r and w is not None:  # the SVD of c W S, cut where the spectra were taken
+                M, scale = scaled_whitening(W, w)
+                U, V, _ = _matrix_sketch(M.astype(cdt), c.caps[layer], svd, (_LOWRANK_SEED, layer))
+                U = (U[:, :r] / scale).astype(store)
+                V = w.unwhiten(np.asarray(V[:, :r], np.float64)).astype(store)
+            elif r:
                 U, V, _ = _matrix_sketch(
                     np.asarray(W, cdt), c.caps[layer], svd, (_LOWRANK_SEED, layer)
                 )
@@ -143,16 +155,18 @@ def _fit_family(
             emit(shared_key(name, b), W0)
             for layer in layers:
                 W = read(layer)
-                fit = fit_layer(
-                    W,
-                    W0,
-                    choice.ranks[layer],
+                w = white(layer)
+                fit_args = dict(
                     dtype=store,
                     svd=svd,
                     seed=(G, b, layer),
                     exact_max_dim=_spectra.BUDGET_EXACT_MAX_DIM,  # read late: tests lower it
                     sketch_rank=c.caps[layer] if choice.ranks[layer] else None,
                 )
+                if w is None:
+                    fit = fit_layer(W, W0, choice.ranks[layer], **fit_args)
+                else:
+                    fit, _ = fit_layer_whitened(W, W0, choice.ranks[layer], w, **fit_args)
                 for part in ("s", "U", "V"):
                     emit(theta_key(stack, layer, name, part), getattr(fit.theta, part))
                 norms[layer] = fit.norm
@@ -167,8 +181,10 @@ def _fit_family(
             d = src.shape[1] if side == "in" else src.shape[0]
             basis = np.zeros((d, 0))
             if k:
+                # Calibrated (output side only): the basis of the whitened layers; the
+                # coefficients B^T W_l below are then exact under each layer's own whitening.
                 basis = _band_basis(
-                    read,
+                    read if src.white is None else src.whitened_get,
                     layers,
                     side,
                     src.shape,
@@ -342,6 +358,7 @@ def decompose_budget(
     max_shard_bytes: int = 2 << 30,
     overwrite: bool = False,
     aligned_from: str | Path | None = None,
+    calibration: str | Path | CalibrationStats | Calibration | None = None,
 ) -> BudgetReport:
     """Decompose a checkpoint at a global ``budget`` into a theta checkpoint (format v2) at ``out``.
 
@@ -352,12 +369,19 @@ def decompose_budget(
     SVD baseline. Returns the :class:`BudgetReport` (its ``manifest`` is ``attnquant.json``).
     Nothing is left at ``out`` if anything fails. ``aligned_from`` as for
     :func:`attnquant_core.decompose_checkpoint`.
+
+    ``calibration`` (a statistics file, see :mod:`attnquant_core.calib`): every fit minimises
+    the output error ``||(W - W_hat) X||`` over the calibration inputs instead of the weight
+    error, and the allocation follows the whitened spectra; a projection without statistics
+    is fit unwhitened. Shared bases are then tried on the output side only. The manifest
+    records the statistics' digest and token count under ``"calibration"``.
     """
+    cal = as_calibration(calibration)
     budget = check_budget(budget)
     forms = _check_forms(forms)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     aligned = None if aligned_from is None else aligned_record(ckpt)
-    sources = _checkpoint_sources(ckpt, dtype)
+    sources = _checkpoint_sources(ckpt, dtype, cal)
     spectra = _spectra_all(
         sources,
         forms=forms,
@@ -436,6 +460,7 @@ def decompose_budget(
             source={"path": str(aligned_from or ckpt.path), "digests": digests},
             aligned=aligned,
             budget=summary,
+            **({} if cal is None else {"calibration": cal.record(sorted(ckpt.projection_keys()))}),
         )
         write_manifest(tmp, manifest)
     return _with_choices(report, choices, manifest=manifest)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import scipy.linalg
@@ -20,6 +20,8 @@ from ..forms._model import FORMS
 from ..io._checkpoint import Checkpoint
 from ._decompose import DecomposeProgress, SVDOptions, residual
 from ._svd import truncated_svd
+from ._whiten import Whitening
+from ._whitened import Calibration, scaled_whitening, whitened_residual
 
 __all__ = ["BUDGET_EXACT_MAX_DIM", "DEFAULT_FORMS", "Candidate"]
 
@@ -143,6 +145,15 @@ class _Source:
     dtype: np.dtype  # source dtype
     store: np.dtype  # storage dtype
     get: Getter
+    # Calibration: each layer's input whitening (None: that layer is fit unwhitened); see
+    # attnquant_core.fit._whitened. Absent: every fit minimises the weight error.
+    white: Callable[[int], Whitening | None] | None = None
+
+    def whitened_get(self, layer: int) -> np.ndarray:
+        """``c W_l S_l`` (:func:`scaled_whitening`), or ``W_l`` where the layer has none."""
+        white = self.white(layer) if self.white is not None else None
+        W = self.get(layer)
+        return W if white is None else scaled_whitening(W, white)[0]
 
 
 @dataclass(frozen=True)
@@ -317,7 +328,7 @@ def _spectra(
     layer_norm2: list[float] = []
     lowrank_gains: list[np.ndarray] = []
     for layer in range(L):
-        W = np.asarray(src.get(layer), cdt)
+        W = np.asarray(src.whitened_get(layer), cdt)  # W itself when not calibrated
         layer_norm2.append(float(np.sum(np.square(W, dtype=np.float64))))
         if "lowrank" in forms:
             lowrank_gains.append(_matrix_gains(W, layer_cap, svd, (_LOWRANK_SEED, layer)))
@@ -344,7 +355,11 @@ def _spectra(
         )
     if "shared_basis" in forms:
         Gs = _blocks_set(shared_blocks, (1, 2, 3, 4, L // 4, L // 2), L - 1)
-        for side in ("in", "out") if Gs else ():
+        # Calibrated: the output side only, whose basis is exact under each layer's own
+        # whitening (the input side would need one whitening for the whole band).
+        sides = ("in", "out") if src.white is None else ("out",)
+        shared_src = src if src.white is None else replace(src, get=src.whitened_get, white=None)
+        for side in sides if Gs else ():
             d, other = (in_dim, out_dim) if side == "in" else (out_dim, in_dim)
             exact = d <= BUDGET_EXACT_MAX_DIM
             plans = {}
@@ -359,7 +374,7 @@ def _spectra(
                     for n, cost in zip(sizes, costs, strict=True)
                 ]
                 plans[G] = (bands, costs, caps)
-            gains = _shared_gains(src, side, plans, svd, exact)
+            gains = _shared_gains(shared_src, side, plans, svd, exact)
             for G, (bands, costs, caps) in plans.items():
                 candidates.append(
                     Candidate(
@@ -384,7 +399,11 @@ def _spectra(
                 layers = [i for i in range(L) if bands[i] == b]
                 W0 = _band_mean(src.get, layers, src.shape, src.dtype, src.store)
                 for layer in layers:
-                    _, R = residual(src.get(layer), W0, src.store)
+                    white = src.white(layer) if src.white is not None else None
+                    if white is None:
+                        _, R = residual(src.get(layer), W0, src.store)
+                    else:
+                        R = whitened_residual(src.get(layer), W0, white, src.store)
                     base += float(np.sum(np.square(R, dtype=np.float64)))
                     gains_b.append(_matrix_gains(R, layer_cap, svd, (G, b, layer)))
                     del R
@@ -434,7 +453,9 @@ def _spectra_all(
     ]
 
 
-def _checkpoint_sources(ckpt: Checkpoint, dtype: np.dtype | type | None) -> list[_Source]:
+def _checkpoint_sources(
+    ckpt: Checkpoint, dtype: np.dtype | type | None, calibration: Calibration | None = None
+) -> list[_Source]:
     return [
         _Source(
             name,
@@ -443,6 +464,7 @@ def _checkpoint_sources(ckpt: Checkpoint, dtype: np.dtype | type | None) -> list
             info.dtype,
             np.dtype(dtype) if dtype is not None else info.dtype,
             lambda layer, keys=info.keys: ckpt.get(keys[layer], check_finite=True),
+            None if calibration is None else calibration.getter(info.keys, info.shape[1]),
         )
         for name, info in ckpt.families.items()
     ]

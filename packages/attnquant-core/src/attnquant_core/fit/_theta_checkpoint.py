@@ -13,6 +13,7 @@ from .._errors import (
 from ..forms._bands import band_of_layers, band_sizes, resolve_blocks
 from ..forms._identity import compute_dtype
 from ..io._atomic import atomic_directory, copy_side_files
+from ..io._calibration import CalibrationStats
 from ..io._checkpoint import (
     Checkpoint,
     open_checkpoint,
@@ -46,6 +47,7 @@ from ._decompose import (
     decompose_family,
     fit_layer,
 )
+from ._whitened import Calibration, as_calibration, fit_layer_whitened
 
 __all__ = ["decompose_checkpoint", "rebuild_dense_state"]
 
@@ -63,6 +65,7 @@ def decompose_checkpoint(
     max_shard_bytes: int = 2 << 30,
     overwrite: bool = False,
     aligned_from: str | Path | None = None,
+    calibration: str | Path | CalibrationStats | Calibration | None = None,
 ) -> dict:
     """Decompose every projection family of a checkpoint into a theta checkpoint at ``out``.
 
@@ -80,7 +83,14 @@ def decompose_checkpoint(
     ``aligned_from``: ``src`` is an aligned copy of that checkpoint (written by
     :func:`attnquant_core.align_checkpoint`); the manifest then names it as the source and
     records the alignment under ``"aligned"`` (the transforms come along with the side files).
+
+    ``calibration``: a statistics file (:mod:`attnquant_core.calib`) or opened statistics;
+    each layer's ``s`` and residual SVD then minimise the output error over the calibration
+    inputs (whitened least squares and SVD-LLM's whitened SVD), a projection without
+    statistics is fit unwhitened, and the manifest records the statistics under
+    ``"calibration"`` and each family's relative output errors under ``"output_errors"``.
     """
+    cal = as_calibration(calibration)
     if budget is not None:
         if blocks is not None or rank is not None:
             raise DecompositionError(
@@ -97,6 +107,7 @@ def decompose_checkpoint(
             max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
             aligned_from=aligned_from,
+            calibration=cal,
         )
         assert report.manifest is not None
         return report.manifest
@@ -138,6 +149,8 @@ def decompose_checkpoint(
             for name, info in ckpt.families.items():
                 errors: list[float] = []
                 norms: list[float] = []
+                out_errors: list[float | None] = []
+                white = None if cal is None else cal.getter(info.keys, info.shape[1])
                 start = 0
                 for b, size in enumerate(sizes):
                     layers = range(start, start + size)
@@ -156,7 +169,17 @@ def decompose_checkpoint(
                     writer.write(shared_key(name, b), W0)
                     for layer in layers:  # pass 2: s, residual, SVD, one layer at a time
                         W = held if held is not None else ckpt.get(info.keys[layer])
-                        fit = fit_layer(W, W0, rank, dtype=store[name], svd=svd, seed=(b, layer))
+                        w = None if white is None else white(layer)
+                        if w is None:
+                            fit = fit_layer(
+                                W, W0, rank, dtype=store[name], svd=svd, seed=(b, layer)
+                            )
+                            out_errors.append(None)
+                        else:
+                            fit, out_error = fit_layer_whitened(
+                                W, W0, rank, w, dtype=store[name], svd=svd, seed=(b, layer)
+                            )
+                            out_errors.append(out_error)
                         del W
                         for part in ("s", "U", "V"):
                             writer.write(
@@ -178,6 +201,7 @@ def decompose_checkpoint(
                     stored=stored_of("banded", info.shape, [rank] * L, bands),
                     errors=errors,
                     norms=norms,
+                    **({} if cal is None else {"output_errors": out_errors}),
                 )
         manifest = theta_manifest(
             num_layers=L,
@@ -186,6 +210,7 @@ def decompose_checkpoint(
             svd=svd.to_json(),
             source={"path": str(aligned_from or ckpt.path), "digests": digests},
             aligned=aligned,
+            **({} if cal is None else {"calibration": cal.record(sorted(ckpt.projection_keys()))}),
         )
         write_manifest(tmp, manifest)
     return manifest

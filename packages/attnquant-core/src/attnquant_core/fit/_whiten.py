@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import scipy.linalg
 
-from ._stats import CalibrationError
+from ..io._calibration import CalibrationError
 
 __all__ = [
     "DEFAULT_DAMPING",
