@@ -122,3 +122,30 @@ def test_eval_judges_theta_checkpoints_against_the_base(tmp_path: Path, capsys) 
     assert same["perplexity"] == pytest.approx(base["perplexity"], rel=1e-5)
     assert same["top1_agreement"] == 1.0 and same["kl"] < 1e-8
     assert worse["perplexity_ratio"] > 1.05 and worse["kl"] > 0.01 and worse["top1_agreement"] < 1
+
+
+def test_decompose_with_calibration_records_it(tmp_path: Path, capsys) -> None:
+    stats_file = tmp_path / "demo.stats.safetensors"
+    assert (
+        cli(["calibrate", "demo", "-o", str(stats_file), "--samples", "2", "--seq-len", "32"]) == 0
+    )
+    for extra in (["--budget", "0.8"], ["--blocks", "2", "--rank", "8"]):
+        out = tmp_path / f"theta{len(extra)}{extra[1]}"
+        rc = cli(["decompose", "demo", "-o", str(out), "--calibration", str(stats_file), *extra])
+        assert rc == 0
+        err = capsys.readouterr().err
+        assert "fit for the output error over 64 calibration tokens (42 projections whitened" in err
+        manifest = json.loads((out / "attnquant.json").read_text())
+        assert manifest["calibration"]["digest"] == read_stats(stats_file).digest
+    rc = cli(
+        [
+            "decompose",
+            "demo",
+            "-o",
+            str(tmp_path / "x"),
+            "--calibration",
+            str(stats_file),
+            "--align",
+        ]
+    )
+    assert rc == 2 and "--calibration with --align" in capsys.readouterr().err

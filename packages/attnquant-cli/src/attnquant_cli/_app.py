@@ -152,11 +152,24 @@ def decompose(
             "models); the transforms are recorded in OUTPUT/attnquant-align.{json,npz}."
         ),
     ] = False,
+    calibration: Annotated[
+        Path | None,
+        typer.Option(
+            help="Calibration statistics (from `attnquant calibrate` or any tool writing the "
+            "public format): fit every form for the output error ||(W - W_hat) X|| over the "
+            "calibration inputs instead of the weight error."
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
     json_summary: JsonFlag = False,
 ) -> None:
     """Decompose every projection family of CKPT into a theta checkpoint."""
     src = demo_model_path() if str(ckpt) == "demo" else ckpt
+    if calibration is not None and align:
+        raise DecompositionError(
+            "--calibration with --align: the statistics are of the original layers, not the "
+            "aligned ones; drop one of them"
+        )
     if budget is not None and (blocks is not None or rank is not None):
         raise DecompositionError(
             "--budget chooses every family's form, bands and ranks; "
@@ -166,7 +179,16 @@ def decompose(
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; remove it or pass --overwrite")
     if not align:
-        _decompose(src, output, blocks, rank, value, overwrite=overwrite, quiet=json_summary)
+        _decompose(
+            src,
+            output,
+            blocks,
+            rank,
+            value,
+            overwrite=overwrite,
+            quiet=json_summary,
+            calibration=calibration,
+        )
         _print_json_summary(output, json_summary)
         return
     import tempfile
@@ -248,14 +270,22 @@ def _decompose(
     overwrite: bool,
     quiet: bool = False,
     aligned_from: Path | None = None,
+    calibration: Path | None = None,
 ) -> None:
     """Fit to ``budget``, or band every family with ``blocks``/``rank``; print the summary
     table on stdout (on stderr when ``quiet``: ``--json`` keeps stdout for the JSON).
     ``aligned_from``: ``src`` is an aligned copy of it (recorded in the manifest by core)."""
     if budget is not None:
         _decompose_budget(
-            src, output, budget, overwrite=overwrite, quiet=quiet, aligned_from=aligned_from
+            src,
+            output,
+            budget,
+            overwrite=overwrite,
+            quiet=quiet,
+            aligned_from=aligned_from,
+            calibration=calibration,
         )
+        _say_calibrated(output)
         return
     with _progress_bars() as progress:
         manifest = decompose_checkpoint(
@@ -266,6 +296,7 @@ def _decompose(
             progress=_reporter(progress),
             overwrite=overwrite,
             aligned_from=aligned_from,
+            calibration=calibration,
         )
     table = Table(title=f"{output}  (G={manifest['blocks']}, r={manifest['rank']})")
     for col in ("family", "shape", "bands", "rank", "rel. error", "stored / dense"):
@@ -286,6 +317,25 @@ def _decompose(
         )
     table.add_row("total", "", "", "", "", f"{total_stored / total_dense:.3f}", style="bold")
     (console if quiet else out).print_table(table)
+    _say_calibrated(output)
+
+
+def _say_calibrated(output: Path) -> None:
+    """One line on stderr when OUTPUT was fit for the output error (from its manifest)."""
+    import json
+
+    from attnquant_core import MANIFEST_FILE
+
+    record = json.loads((output / MANIFEST_FILE).read_text()).get("calibration")
+    if record:
+        console.print(
+            f"fit for the output error over {record['tokens']} calibration tokens "
+            f"({record['whitened']} projections whitened, {record['unwhitened']} not; "
+            f"{record['path']}, {record['digest'][:19]}); "
+            f"measured errors in the table are of the weights",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _decompose_budget(
@@ -296,6 +346,7 @@ def _decompose_budget(
     overwrite: bool,
     quiet: bool = False,
     aligned_from: Path | None = None,
+    calibration: Path | None = None,
 ) -> None:
     """``decompose --budget``: fit, then say per family what was chosen and why."""
     from attnquant_core import decompose_budget
@@ -308,6 +359,7 @@ def _decompose_budget(
             progress=_reporter(progress),
             overwrite=overwrite,
             aligned_from=aligned_from,
+            calibration=calibration,
         )
     table = budget_table(report, title=f"{output}  (budget {budget:g}, auto form)")
     (console if quiet else out).print_table(table)
