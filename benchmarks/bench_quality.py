@@ -5,15 +5,15 @@ dense parameters of the projections) this compresses the model several ways and 
 result on the same held-out text in one run (attnquant-core's numpy forward):
 
 * ``svd_weight_global`` — (a) per-layer truncated SVD of the weights, ranks allocated
-  globally by weight error per parameter (the Frobenius-optimal plain baseline);
+  globally by weight error per parameter (``decompose_budget(forms=["lowrank"])``);
 * ``svd_whitened_uniform`` — (b) SVD-LLM: per-layer whitened truncated SVD (``W S``,
   ``S S^T = sum x x^T`` of the projection's calibration inputs, then ``V^T S^{-1}``), every
-  matrix at the same parameter ratio;
-* ``svd_whitened_global`` — whitened SVD, ranks allocated globally by the predicted output
-  error per parameter (the whitened spectrum), each projection's error relative to its own
-  output energy;
-* ``attnquant_auto`` — (c) ``attnquant decompose --budget`` as the project stands: the auto
-  form, fitted to the weight error (``--calibration`` when core's fit takes statistics).
+  matrix at the same parameter ratio (numpy, here);
+* ``svd_whitened_global`` — whitened per-layer SVD with ranks allocated globally by the
+  whitened spectra (``decompose_budget(forms=["lowrank"], calibration=...)``);
+* ``attnquant_auto`` — ``attnquant decompose --budget``: the auto form, weight error;
+* ``attnquant_auto_calibrated`` — (c) ``attnquant decompose --budget --calibration``: the
+  auto form fitted for the output error.
 
 Statistics come from ``attnquant calibrate``'s code on the demo's shipped calibration sample
 (files of its training split); the held-out text is the shipped held-out sample (files it was
@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
+from attnquant_core import decompose_budget
 from attnquant_core.calib import (
     ModelSource,
     calibrate,
@@ -72,33 +73,6 @@ def projection_keys(config: dict) -> list[str]:
         for layer in range(config["num_hidden_layers"])
         for name in PROJECTIONS
     ]
-
-
-def allocate_global(
-    spectra: dict[str, np.ndarray],
-    shapes: dict[str, tuple[int, int]],
-    budget: float,
-    *,
-    weights: dict[str, float] | None = None,
-) -> dict[str, int]:
-    """Ranks that keep the most ``weight * sigma^2`` per stored parameter within the budget.
-
-    Each rank-one term of matrix ``k`` costs ``out + in`` parameters and removes
-    ``weights[k] * sigma_i^2`` of predicted error; singular values decrease, so taking the
-    best ratios first takes a prefix of every spectrum.
-    """
-    dense = sum(o * i for o, i in shapes.values())
-    keys = list(spectra)
-    gains = np.concatenate(
-        [(weights or {}).get(k, 1.0) * spectra[k] ** 2 / sum(shapes[k]) for k in keys]
-    )
-    owner = np.concatenate([np.full(len(spectra[k]), n) for n, k in enumerate(keys)])
-    costs = np.array([sum(shapes[keys[n]]) for n in owner])
-    order = np.argsort(-gains, kind="stable")
-    spent = np.cumsum(costs[order])
-    chosen = order[spent <= budget * dense]
-    counts = np.bincount(owner[chosen], minlength=len(keys))
-    return {k: int(counts[n]) for n, k in enumerate(keys)}
 
 
 def uniform_ranks(shapes: dict[str, tuple[int, int]], budget: float) -> dict[str, int]:
@@ -172,35 +146,26 @@ def main() -> None:
         flush=True,
     )
 
-    # Spectra: plain and whitened (one SVD per matrix, reused for every budget).
-    plain_svd = {k: np.linalg.svd(state[k].astype(np.float64), full_matrices=False) for k in keys}
+    # Whitened spectra for SVD-LLM's uniform ratio (one SVD per matrix, reused for every budget).
     white_svd = {k: np.linalg.svd(whites[k].whiten(state[k]), full_matrices=False) for k in keys}
-
-    def fit_plain(key: str, W: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
-        P, s, Qt = plain_svd[key]
-        return P[:, :r] * s[:r], Qt[:r].T
 
     def fit_whitened(key: str, W: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
         P, s, Qt = white_svd[key]
         return P[:, :r] * s[:r], whites[key].unwhiten(Qt[:r].T)
 
-    energy = {k: float(np.sum(white_svd[k][1] ** 2)) for k in keys}
     methods: dict[str, Callable[[float], tuple[dict, int]]] = {
-        "svd_weight_global": lambda b: compress(
-            state, allocate_global({k: plain_svd[k][1] for k in keys}, shapes, b), fit_plain
-        ),
         "svd_whitened_uniform": lambda b: compress(state, uniform_ranks(shapes, b), fit_whitened),
-        "svd_whitened_global": lambda b: compress(
-            state,
-            allocate_global(
-                {k: white_svd[k][1] for k in keys},
-                shapes,
-                b,
-                weights={k: 1.0 / energy[k] for k in keys},
-            ),
-            fit_whitened,
-        ),
     }
+    # Through core, written as theta checkpoints: (method, forms, calibrated).
+    core_methods = [
+        ("svd_weight_global", ["lowrank"], False),
+        ("svd_whitened_global", ["lowrank"], True),
+    ]
+    if not args.skip_auto:
+        core_methods += [
+            ("attnquant_auto", None, False),
+            ("attnquant_auto_calibrated", None, True),
+        ]
     dense_params = sum(o * i for o, i in shapes.values())
     rows = []
     for budget in args.budgets:
@@ -209,13 +174,17 @@ def main() -> None:
             compressed, stored = make(budget)
             sources.append(source_of(f"{name}@{budget}", config, compressed))
             meta.append((name, stored / dense_params, None))
-        if not args.skip_auto:
-            from attnquant_core import decompose_budget
-
-            out = tmp / f"auto-{budget}"
-            auto = decompose_budget(DEMO, out, budget=budget)
+        for name, forms, calibrated in core_methods:
+            out = tmp / f"{name}-{budget}"
+            fitted = decompose_budget(
+                DEMO,
+                out,
+                budget=budget,
+                **({} if forms is None else {"forms": forms}),
+                calibration=report.path if calibrated else None,
+            )
             sources.append(open_source(out))
-            meta.append(("attnquant_auto", auto.stored / auto.dense, None))
+            meta.append((name, fitted.stored / fitted.dense, None))
         t0 = time.perf_counter()
         results = evaluate(sources, heldout)
         eval_s = time.perf_counter() - t0
