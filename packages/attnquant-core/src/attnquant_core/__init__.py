@@ -14,7 +14,9 @@ against compression. It never imports MAX.
 Layout: :mod:`attnquant_core.forms` (the identity and the theta forms),
 :mod:`attnquant_core.io` (safetensors, checkpoints, the theta format, integrity) and
 :mod:`attnquant_core.fit` (SVD, per-layer fits, the budget, alignment, analysis), each
-depending only on those before it. Everything public is re-exported here.
+depending only on those before it. :mod:`attnquant_core.calib` (calibration statistics,
+whitened fitting, the layer-by-layer numpy forward and ``evaluate``) uses all three; its
+main names are re-exported here, the rest live there.
 """
 
 from ._benchstats import (
@@ -41,6 +43,16 @@ from ._errors import (
     ThetaFormatError,
 )
 from ._version import __version__
+from .calib import (
+    CalibrationError,
+    CalibrationStats,
+    EvalResult,
+    calibrate,
+    evaluate,
+    read_stats,
+    stats_digest,
+    write_stats,
+)
 from .fit import (
     ALIGN_MANIFEST_FILE,
     ALIGN_TRANSFORMS_FILE,
@@ -216,9 +228,18 @@ __all__ = [
     "read_load",
     "run_paired",
     "unpaired_ratio",
+    # calibration: input statistics (public format), the numpy forward, judging by function
+    "CalibrationStats",
+    "EvalResult",
+    "calibrate",
+    "evaluate",
+    "read_stats",
+    "stats_digest",
+    "write_stats",
     # errors
     "AttnquantError",
     "BandMismatchError",
+    "CalibrationError",
     "CheckpointError",
     "DecompositionError",
     "IntegrityError",
