@@ -263,3 +263,13 @@ def test_token_windows() -> None:
     np.testing.assert_array_equal(token_windows(stream[:7], seq_len=30), [np.arange(7)])  # capped
     with pytest.raises(CalibrationError, match="at least 2"):
         token_windows(stream[:1])
+
+
+def test_architectures_the_forward_does_not_run_are_refused(tmp_path: Path) -> None:
+    from attnquant_core.llama_reference import ReferenceConfigError
+
+    directory, _ = tiny_llama(tmp_path / "tiny")
+    config = {**CONFIG, "architectures": ["Gemma3ForCausalLM"], "hidden_activation": "gelu"}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ReferenceConfigError, match=r"\['Gemma3ForCausalLM'\] is not one the numpy"):
+        open_source(directory)

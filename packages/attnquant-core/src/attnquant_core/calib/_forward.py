@@ -77,6 +77,27 @@ class ModelSource:
         return ref.num_layers(self.config, self.has_key, self.prefix)
 
 
+#: Architectures whose decoder layer is the reference's (RMSNorm, RoPE, GQA, SiLU-gated MLP,
+#: optional biases and q/k norms).
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def check_architecture(path: Path, config: dict) -> None:
+    """Refuse, in one line, a checkpoint whose layers the numpy forward would compute wrongly."""
+    archs = config.get("architectures") or []
+    if not any(a in ARCHITECTURES for a in archs):
+        raise ref.ReferenceConfigError(
+            f"{path}: architectures {archs} is not one the numpy forward runs "
+            f"({', '.join(ARCHITECTURES)}); write the statistics with another tool in the "
+            f"public format (see attnquant_core.calib) and pass them to decompose --calibration"
+        )
+
+
 def _prefix(stack: str) -> str:
     """``model.layers`` (core's name of the layer stack) -> ``model`` (the reference's prefix)."""
     return stack[: -len(".layers")] if stack.endswith(".layers") else stack
@@ -93,6 +114,7 @@ def open_source(path: str | Path) -> ModelSource:
     if not config_file.is_file():
         raise CalibrationError(f"{config_file}: missing; the numpy forward needs config.json")
     config = json.loads(config_file.read_text())
+    check_architecture(path, config)
     if is_theta_checkpoint(path):
         theta = ThetaCheckpoint.open(path)
         stock = frozenset(theta.stock_keys())
