@@ -15,6 +15,10 @@ result on the same held-out text in one run (attnquant-core's numpy forward):
 * ``attnquant_auto_calibrated`` — (c) ``attnquant decompose --budget --calibration``: the
   auto form fitted for the output error.
 
+Beside them, ``attnquant verify``'s native-equivalence criteria (max |delta log p| < 1 of the
+base's 32 greedy tokens after each verify prompt, greedy agreement >= 90%) computed in the
+numpy float32 forward (not MAX), and the smallest budget at which each method passes them.
+
 Statistics come from ``attnquant calibrate``'s code on the demo's shipped calibration sample
 (files of its training split); the held-out text is the shipped held-out sample (files it was
 not trained on). The perplexity ratio is to the dense model on the same windows.
@@ -36,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
-from attnquant_core import decompose_budget
+from attnquant_core import ThetaCheckpoint, decompose_budget
 from attnquant_core.calib import (
     ModelSource,
     calibrate,
@@ -49,6 +53,7 @@ from attnquant_core.calib import (
     token_windows,
     whitening,
 )
+from attnquant_core.llama_reference import llama_logits
 
 BUDGETS = (0.9, 0.8, 0.7, 0.5)
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +99,63 @@ def compress(
         out[key] = (U @ V.T).astype(state[key].dtype)
         stored += r * sum(state[key].shape)
     return out, stored
+
+
+#: ``attnquant verify``'s prompts and thresholds (DESIGN §5: native-equivalent).
+VERIFY_PROMPTS = (
+    "def ",
+    "import os\n",
+    "class ",
+    "    def __init__(self",
+    "for i in range(",
+    "if __name__ == ",
+    "    return ",
+    "# ",
+)
+VERIFY_NEW_TOKENS, VERIFY_MAX_DELTA, VERIFY_MIN_AGREEMENT = 32, 1.0, 0.9
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def verify_base(config: dict, state: dict) -> list[tuple[list[int], list[int], np.ndarray]]:
+    """Per verify prompt: its ids, the base's greedy continuation and its log-probabilities
+    (teacher-forced), as ``attnquant verify`` computes them, in the numpy float32 forward."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+    out = []
+    for prompt in VERIFY_PROMPTS:
+        ids = tok.encode(prompt).ids
+        seq = list(ids)
+        for _ in range(VERIFY_NEW_TOKENS):
+            seq.append(int(llama_logits(config, state, seq, dtype=np.float32)[-1].argmax()))
+        out.append(
+            (ids, seq[len(ids) :], log_softmax(llama_logits(config, state, seq, dtype=np.float32)))
+        )
+    return out
+
+
+def verify_numpy(config: dict, state: dict, base: list) -> dict[str, float | bool]:
+    """``attnquant verify``'s criteria in numpy: max |delta log p| of the base's greedy tokens
+    and greedy agreement, over the verify prompts."""
+    deltas, agree, total = [], 0, 0
+    for ids, cont, lp_base in base:
+        seq = ids + cont
+        lp = log_softmax(llama_logits(config, state, seq, dtype=np.float32))
+        rows = np.arange(len(ids) - 1, len(seq) - 1)
+        deltas.append(np.abs(lp[rows, cont] - lp_base[rows, cont]).max())
+        agree += int(np.sum(lp[rows].argmax(-1) == lp_base[rows].argmax(-1)))
+        total += len(rows)
+    delta, agreement = float(max(deltas)), agree / total
+    return {
+        "max_abs_logprob_delta": delta,
+        "agreement": agreement,
+        "native_equivalent": delta < VERIFY_MAX_DELTA and agreement >= VERIFY_MIN_AGREEMENT,
+    }
 
 
 def source_of(name: str, config: dict, state: dict[str, np.ndarray]) -> ModelSource:
@@ -168,12 +230,15 @@ def main() -> None:
         ]
     dense_params = sum(o * i for o, i in shapes.values())
     rows = []
+    parity_base = verify_base(config, state)
     for budget in args.budgets:
         sources, meta = [base], []
         for name, make in methods.items():
             compressed, stored = make(budget)
             sources.append(source_of(f"{name}@{budget}", config, compressed))
-            meta.append((name, stored / dense_params, None))
+            meta.append(
+                (name, stored / dense_params, verify_numpy(config, compressed, parity_base))
+            )
         for name, forms, calibrated in core_methods:
             out = tmp / f"{name}-{budget}"
             fitted = decompose_budget(
@@ -184,12 +249,14 @@ def main() -> None:
                 calibration=report.path if calibrated else None,
             )
             sources.append(open_source(out))
-            meta.append((name, fitted.stored / fitted.dense, None))
+            rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
+            parity = verify_numpy(config, rebuilt, parity_base)
+            meta.append((name, fitted.stored / fitted.dense, parity))
         t0 = time.perf_counter()
         results = evaluate(sources, heldout)
         eval_s = time.perf_counter() - t0
         dense = results[0]
-        for (name, achieved, _), r in zip(meta, results[1:], strict=True):
+        for (name, achieved, parity), r in zip(meta, results[1:], strict=True):
             rows.append(
                 {
                     "budget": budget,
@@ -199,17 +266,26 @@ def main() -> None:
                     "perplexity_ratio": r.perplexity / dense.perplexity,
                     "top1_agreement": r.top1,
                     "kl": r.kl,
+                    "verify_numpy": parity,
                 }
             )
             print(
                 f"budget {budget:.2f} {name:<22} ppl {r.perplexity:8.3f} "
                 f"(x{r.perplexity / dense.perplexity:.4f})  top-1 {100 * r.top1:6.2f}%  "
-                f"KL {r.kl:.4f}",
+                f"KL {r.kl:.4f}  verify max|dlogp| {parity['max_abs_logprob_delta']:.2f} "
+                f"agree {100 * parity['agreement']:.0f}% "
+                f"{'PASS' if parity['native_equivalent'] else 'fail'}",
                 flush=True,
             )
         print(f"  (eval {eval_s:.1f} s, dense ppl {dense.perplexity:.3f})", flush=True)
+    passing = {}
+    for row in rows:
+        if row["verify_numpy"]["native_equivalent"]:
+            passing[row["method"]] = min(passing.get(row["method"], 1.0), row["budget"])
+    print(f"smallest budget passing verify's criteria (numpy float32): {passing}")
     result = {
         "model": "demo",
+        "smallest_budget_passing_verify_numpy": passing,
         "forward": "numpy float32",
         "calibration": {
             "data": str(CALIBRATION.relative_to(ROOT)),
