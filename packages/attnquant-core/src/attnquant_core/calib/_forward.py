@@ -17,7 +17,7 @@ import logging
 import resource
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -240,7 +240,6 @@ class CalibrationReport:
     seq_len: int
     grams: int
     peak_rss_bytes: int
-    skipped: list[str] = field(default_factory=list)
 
 
 def calibrate(
