@@ -194,7 +194,8 @@ def main() -> None:
         samples=args.heldout_windows,
         seed=None,
     )
-    tmp = Path(tempfile.mkdtemp(prefix="bench_quality-"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench_quality-")  # removed at exit
+    tmp = Path(scratch.name)
     t0 = time.perf_counter()
     report = calibrate(base, calib_windows, tmp / "demo.stats.safetensors")
     calib_s = time.perf_counter() - t0
@@ -304,6 +305,7 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - started, 1),
         "peak_rss_bytes": peak_rss_bytes(),
     }
+    scratch.cleanup()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out} ({result['wall_s']} s)")
