@@ -56,14 +56,9 @@ def outside_bundle(tiny_bundle: Path) -> Iterator[LoadedModel]:
 
 @pytest.fixture(scope="module", params=list(PATHS))
 def in_graph(request: pytest.FixtureRequest, tiny_bundle: Path) -> Iterator[LoadedModel]:
-    """The bundle on each in-graph path; one model open at a time."""
+    """The bundle on each in-graph path; one model open at a time (pytest groups the tests
+    of one path together, so each path's model loads once)."""
     with load_tiny(tiny_bundle, PATHS[request.param]) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
-def gemm_bundle(tiny_bundle: Path) -> Iterator[LoadedModel]:
-    with load_tiny(tiny_bundle, GEMM) as model:
         yield model
 
 
@@ -71,17 +66,22 @@ def _pipeline_model(model: LoadedModel) -> Any:
     return model.model.pipeline._pipeline_model
 
 
-def test_gemm_path_builds_the_theta_model(
-    gemm_bundle: LoadedModel, theta_model: LoadedModel
+def test_in_graph_paths_build_the_theta_model(
+    in_graph: LoadedModel, theta_model: LoadedModel, request: pytest.FixtureRequest
 ) -> None:
+    """Every in-graph path builds attnquant's model, holding theta tensors and no dense weight;
+    the GEMM path holds ``W0`` and the ``V``s of a band in one weight per band."""
     from attnquant_max import ThetaLlama3Model
 
-    pm = _pipeline_model(gemm_bundle)
+    pm = _pipeline_model(in_graph)
     assert isinstance(pm, ThetaLlama3Model)
-    assert "attnquant.gemm.self_attn.qkv_proj.0.W0V" in pm.state_dict
-    assert "attnquant.gemm.self_attn.qkv_proj.1.W0V" in pm.state_dict  # the second band
-    assert "layers.1.mlp.down_proj.theta_U" in pm.state_dict
     assert not any(k.endswith("q_proj.weight") for k in pm.state_dict)
+    assert "layers.1.mlp.down_proj.theta_U" in pm.state_dict
+    if request.node.callspec.params["in_graph"] == "gemm":
+        assert "attnquant.gemm.self_attn.qkv_proj.0.W0V" in pm.state_dict
+        assert "attnquant.gemm.self_attn.qkv_proj.1.W0V" in pm.state_dict  # the second band
+    else:
+        assert not any(k.startswith("attnquant.gemm.") for k in pm.state_dict)
     assert not any(k.startswith("attnquant.") for k in _pipeline_model(theta_model).state_dict)
 
 
