@@ -7,7 +7,10 @@ the memory is one layer's weights, the hidden states ``[n, T, hidden]`` and, whe
 calibrating, one layer's grams (written to the statistics file as each layer finishes).
 
 The math is :mod:`attnquant_core.llama_reference`'s (Llama family: Llama 2/3, Mistral,
-Qwen2/3 without sliding windows).
+Qwen2/3 without sliding windows) or :mod:`attnquant_core.gemma_reference`'s (Gemma 3 text
+decoders: ``Gemma3ForCausalLM``, and the text part of ``Gemma3ForConditionalGeneration``),
+chosen from ``config.json``; both are driven through the same layer loop by a
+:class:`Decoder`.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ import resource
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property, partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .. import gemma_reference as gemma
 from .. import llama_reference as ref
 from ..io import ThetaCheckpoint, is_theta_checkpoint, open_checkpoint, parse_projection_key
 from ..io._calibration import CalibrationError, StatsWriter
 
 __all__ = [
     "CalibrationReport",
+    "Decoder",
     "ModelSource",
     "calibrate",
     "final_hidden",
@@ -37,7 +44,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Projections of one Llama layer, in the order their grams are written.
+#: Projections of one Llama or Gemma 3 layer, in the order their grams are written.
 LAYER_PROJECTIONS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -73,29 +80,128 @@ class ModelSource:
         return key in self.keys
 
     @property
+    def text_config(self) -> dict:
+        """The decoder's config: ``text_config`` of a multimodal config, else ``config``."""
+        return self.config.get("text_config", self.config)
+
+    @cached_property
+    def decoder(self) -> Decoder:
+        """The reference forward's per-layer pieces for this checkpoint's architecture."""
+        return decoder_for(self.path, self.config)
+
+    @property
     def num_layers(self) -> int:
-        return ref.num_layers(self.config, self.has_key, self.prefix)
+        return self.decoder.num_layers(self.has_key, self.prefix)
 
 
-#: Architectures whose decoder layer is the reference's (RMSNorm, RoPE, GQA, SiLU-gated MLP,
-#: optional biases and q/k norms).
-ARCHITECTURES = (
+@dataclass(frozen=True, kw_only=True)
+class Decoder:
+    """One architecture's reference forward, a piece at a time, as the layer loop drives it.
+
+    ``tables(T, dtype)`` is whatever ``layer`` needs besides the weights (the rotary tables);
+    ``layer(get, has_key, stem, h, index, tables, capture)`` is one decoder layer, ``get``
+    returning a tensor in the compute dtype.
+    """
+
+    hidden: int
+    #: ``num_attention_heads * head_dim``: the input width of ``o_proj``.
+    attn_width: int
+    num_layers: Callable[[Callable[[str], bool], str], int]
+    embed: Callable[[np.ndarray, np.dtype], np.ndarray]
+    tables: Callable[[int, np.dtype], Any]
+    layer: Callable[..., np.ndarray]
+    final_norm: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    #: ``head(get, has_key, prefix)``: the output head ``[vocab, hidden]``.
+    head: Callable[[ref.Getter, Callable[[str], bool], str], np.ndarray]
+
+
+def _llama(path: Path, config: dict) -> Decoder:
+    """:mod:`attnquant_core.llama_reference`: RMSNorm, RoPE, GQA, SiLU-gated MLP."""
+    spec = ref.llama_spec(config)
+
+    def layer(get, has_key, stem, h, index, tables, capture) -> np.ndarray:  # see Decoder
+        return ref.llama_layer(spec, get, has_key, stem, h, *tables, capture=capture)
+
+    return Decoder(
+        hidden=spec.hidden,
+        attn_width=spec.n_heads * spec.head_dim,
+        num_layers=partial(ref.num_layers, config),
+        embed=lambda rows, dtype: np.asarray(rows, dtype=dtype),
+        tables=partial(ref.rope_tables, config, spec),
+        layer=layer,
+        final_norm=lambda h, w: ref._rms_norm(h, w, spec.eps),
+        head=lambda get, has_key, prefix: ref.llama_head(config, get, has_key, prefix)[1],
+    )
+
+
+def _gemma3(path: Path, config: dict) -> Decoder:
+    """:mod:`attnquant_core.gemma_reference`: scaled embedding, ``1 + w`` norms, sliding and
+    global layers, GELU-tanh MLP. The embedding scale is rounded to the stored embedding's
+    dtype, as ``transformers`` rounds it to the weight's."""
+    spec = gemma.gemma3_spec(config)
+
+    def layer(get, has_key, stem, h, index, tables, capture) -> np.ndarray:  # see Decoder
+        return gemma.gemma3_layer(
+            spec, get, stem, h, tables, layer=index, has_key=has_key, capture=capture
+        )
+
+    def head(get: ref.Getter, has_key: Callable[[str], bool], prefix: str) -> np.ndarray:
+        if spec.final_softcap:
+            raise ref.ReferenceConfigError(
+                f"{path}: final_logit_softcapping={spec.final_softcap}: the numpy eval does not "
+                f"apply it (calibrate does not need it)"
+            )
+        return gemma.gemma3_head(get, has_key, prefix)[1]
+
+    return Decoder(
+        hidden=spec.hidden,
+        attn_width=spec.n_heads * spec.head_dim,
+        num_layers=lambda has_key, prefix: len(spec.layer_types),
+        embed=lambda rows, dtype: gemma.gemma3_embed(
+            spec, rows, dtype=dtype, embed_scale_dtype=rows.dtype
+        ),
+        tables=partial(gemma.gemma3_rope_tables, config, spec),
+        layer=layer,
+        final_norm=lambda h, w: gemma.gemma_norm(h, w, spec.eps),
+        head=head,
+    )
+
+
+#: Architectures whose decoder layer is the Llama reference's (RMSNorm, RoPE, GQA, SiLU-gated
+#: MLP, optional biases and q/k norms).
+LLAMA_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+#: Gemma 3 text decoders (the Gemma reference's), with the ``model_type`` they must carry.
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+GEMMA3_MODEL_TYPES = ("gemma3_text", "gemma3")
+ARCHITECTURES = LLAMA_ARCHITECTURES + GEMMA3_ARCHITECTURES
+
+
+def decoder_for(path: Path, config: dict) -> Decoder:
+    """The forward ``config`` asks for (``architectures``, and for Gemma 3 its ``model_type``);
+    refuse, in one line, a checkpoint whose layers the numpy forward would compute wrongly."""
+    archs = config.get("architectures") or []
+    if any(a in LLAMA_ARCHITECTURES for a in archs):
+        return _llama(path, config)
+    if any(a in GEMMA3_ARCHITECTURES for a in archs) and (
+        config.get("model_type") in GEMMA3_MODEL_TYPES
+    ):
+        return _gemma3(path, config)
+    raise ref.ReferenceConfigError(
+        f"{path}: architectures {archs} is not one the numpy forward runs "
+        f"({', '.join(ARCHITECTURES)}; Gemma 3 with model_type {' or '.join(GEMMA3_MODEL_TYPES)}"
+        f"); write the statistics with another tool in the public format (see "
+        f"attnquant_core.calib) and pass them to decompose --calibration"
+    )
 
 
 def check_architecture(path: Path, config: dict) -> None:
     """Refuse, in one line, a checkpoint whose layers the numpy forward would compute wrongly."""
-    archs = config.get("architectures") or []
-    if not any(a in ARCHITECTURES for a in archs):
-        raise ref.ReferenceConfigError(
-            f"{path}: architectures {archs} is not one the numpy forward runs "
-            f"({', '.join(ARCHITECTURES)}); write the statistics with another tool in the "
-            f"public format (see attnquant_core.calib) and pass them to decompose --calibration"
-        )
+    decoder_for(path, config)
 
 
 def _prefix(stack: str) -> str:
@@ -114,7 +220,7 @@ def open_source(path: str | Path) -> ModelSource:
     if not config_file.is_file():
         raise CalibrationError(f"{config_file}: missing; the numpy forward needs config.json")
     config = json.loads(config_file.read_text())
-    check_architecture(path, config)
+    check_architecture(path, config)  # the spec too: a config it cannot run fails here
     if is_theta_checkpoint(path):
         theta = ThetaCheckpoint.open(path)
         stock = frozenset(theta.stock_keys())
@@ -170,8 +276,7 @@ def _forward_layers(
     ``capture`` sees each projection's input, batch by batch; ``after_layer(done, total)`` is
     called when every window has passed layer ``done - 1``.
     """
-    config = source.config
-    spec = ref.llama_spec(config)
+    decoder = source.decoder
     windows = np.asarray(windows, dtype=np.int64)
     if windows.ndim != 2 or not windows.size:
         raise CalibrationError("token windows must be a non-empty [n, T] array")
@@ -181,9 +286,9 @@ def _forward_layers(
     embed = source.get(embed_key)
     if windows.min() < 0 or windows.max() >= embed.shape[0]:
         raise CalibrationError(f"token ids outside 0..{embed.shape[0] - 1} of {embed_key!r}")
-    h = np.asarray(embed[windows], dtype=dtype)
+    h = decoder.embed(embed[windows], dtype)
     del embed
-    cos, sin = ref.rope_tables(config, spec, windows.shape[1], dtype)
+    tables = decoder.tables(windows.shape[1], dtype)
     num_layers = source.num_layers
     for layer in range(num_layers):
         weights = _layer_weights(source, layer, dtype)
@@ -195,8 +300,8 @@ def _forward_layers(
 
         stem = f"{source.prefix}.layers.{layer}"
         for rows in _batches(len(h), batch):
-            h[rows] = ref.llama_layer(
-                spec, get, weights.__contains__, stem, h[rows], cos, sin, capture=capture
+            h[rows] = decoder.layer(
+                get, weights.__contains__, stem, h[rows], layer, tables, capture
             )
         del weights
         if after_layer is not None:
@@ -216,18 +321,14 @@ def final_hidden(
     dt = np.dtype(dtype)
     h = _forward_layers(source, windows, dtype=dt, batch=batch, after_layer=progress)
     norm = np.asarray(source.get(f"{source.prefix}.norm.weight"), dtype=dt)
-    return ref._rms_norm(h, norm, ref.llama_spec(source.config).eps)
+    return source.decoder.final_norm(h, norm)
 
 
 def output_head(source: ModelSource, dtype: np.dtype | type = np.float32) -> np.ndarray:
     """``lm_head.weight`` ``[vocab, hidden]``, or the tied embedding."""
-    _, head = ref.llama_head(
-        source.config,
-        lambda key: np.asarray(source.get(key), dtype=dtype),
-        source.has_key,
-        source.prefix,
+    return source.decoder.head(
+        lambda key: np.asarray(source.get(key), dtype=dtype), source.has_key, source.prefix
     )
-    return head
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,10 +360,10 @@ def calibrate(
     one layer's grams are held.
     """
     windows = np.asarray(windows, dtype=np.int64)
-    spec = ref.llama_spec(source.config)
-    inner = source.config.get("intermediate_size")
+    decoder = source.decoder
+    inner = source.text_config.get("intermediate_size")
     widths = {
-        "self_attn.o_proj": spec.n_heads * spec.head_dim,
+        "self_attn.o_proj": decoder.attn_width,
         "mlp.down_proj": int(inner) if inner else None,
     }
     shapes: dict[str, int] = {}
@@ -271,9 +372,9 @@ def calibrate(
             key = f"{source.prefix}.layers.{layer}.{name}.weight"
             if not source.has_key(key):
                 raise ref.ReferenceConfigError(f"{source.path}: no {key!r}")
-            if widths.get(name, spec.hidden) is None:  # no intermediate_size in the config
+            if widths.get(name, decoder.hidden) is None:  # no intermediate_size in the config
                 widths[name] = int(np.shape(source.get(key))[1])
-            shapes[key] = int(widths.get(name) or spec.hidden)
+            shapes[key] = int(widths.get(name) or decoder.hidden)
     tokens = int(windows.size)
     # One gram per distinct input: q/k/v share one, gate/up share one (written under each key).
     grams: dict[tuple[str, ...], np.ndarray] = {}
