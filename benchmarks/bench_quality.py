@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
-from attnquant_core import ThetaCheckpoint, decompose_budget
+from attnquant_cli._prompts import VERIFY_PROMPTS
+from attnquant_core import FAMILIES, ThetaCheckpoint, decompose_budget
 from attnquant_core.calib import (
     ModelSource,
     calibrate,
@@ -61,15 +62,7 @@ CLI = ROOT / "packages/attnquant-cli/src/attnquant_cli"
 DEMO = CLI / "demo_model"
 CALIBRATION = CLI / "data/demo_calibration.jsonl"
 HELDOUT = CLI / "data/demo_heldout.jsonl"
-PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+PROJECTIONS = FAMILIES
 
 
 def projection_keys(config: dict) -> list[str]:
@@ -101,17 +94,7 @@ def compress(
     return out, stored
 
 
-#: ``attnquant verify``'s prompts and thresholds (DESIGN §5: native-equivalent).
-VERIFY_PROMPTS = (
-    "def ",
-    "import os\n",
-    "class ",
-    "    def __init__(self",
-    "for i in range(",
-    "if __name__ == ",
-    "    return ",
-    "# ",
-)
+#: ``attnquant verify``'s prompts (shared with the CLI) and thresholds (DESIGN §5).
 VERIFY_NEW_TOKENS, VERIFY_MAX_DELTA, VERIFY_MIN_AGREEMENT = 32, 1.0, 0.9
 
 
