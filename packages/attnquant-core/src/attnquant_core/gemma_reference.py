@@ -41,8 +41,9 @@ from .llama_reference import (
     Capture,
     Getter,
     ReferenceConfigError,
+    _attend,
+    _linear,
     _rms_norm,
-    _rotate_half,
     rope_inv_freq,
 )
 
@@ -243,13 +244,8 @@ def gemma3_layer(
     p = layer_prefix
     T = h.shape[-2]
     lead = h.shape[:-2]
-    dt = h.dtype
     cos, sin = cos[:T], sin[:T]
-
-    def linear(x: np.ndarray, key: str) -> np.ndarray:
-        y = x @ get(f"{key}.weight").T
-        bias = f"{key}.bias"
-        return y + get(bias) if has_key(bias) else y
+    linear = _linear(get, has_key)
 
     def heads(x: np.ndarray, n: int) -> np.ndarray:  # [..., T, n*d] -> [..., n, T, d]
         return np.swapaxes(x.reshape(*lead, T, n, spec.head_dim), -3, -2)
@@ -262,17 +258,18 @@ def gemma3_layer(
     v = heads(linear(x, f"{p}.self_attn.v_proj"), spec.n_kv)
     q = gemma_norm(q, get(f"{p}.self_attn.q_norm.weight"), spec.eps)
     k = gemma_norm(k, get(f"{p}.self_attn.k_norm.weight"), spec.eps)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    k = np.repeat(k, spec.n_rep, axis=-3)  # head h reads kv head h // n_rep
-    v = np.repeat(v, spec.n_rep, axis=-3)
-    scores = _softcap((q @ np.swapaxes(k, -1, -2)) * dt.type(spec.scale), spec.attn_softcap)
-    scores += _mask(kind, T, spec.window, dt)
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores, out=scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    attn = np.swapaxes(probs @ v, -3, -2).reshape(*lead, T, spec.n_heads * spec.head_dim)
-    del q, k, v, scores, probs
+    attn = _attend(
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        n_rep=spec.n_rep,
+        scale=spec.scale,
+        mask=_mask(kind, T, spec.window, h.dtype),
+        softcap=lambda scores: _softcap(scores, spec.attn_softcap),
+    )
+    del q, k, v
     if capture is not None:
         capture(("self_attn.o_proj",), attn)
     attn = linear(attn, f"{p}.self_attn.o_proj")

@@ -95,6 +95,50 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def _linear(get: Getter, has_key: Callable[[str], bool]) -> Callable[[np.ndarray, str], np.ndarray]:
+    """``linear(x, key)``: ``x W^T`` of ``key.weight``, plus ``key.bias`` when the state has one."""
+
+    def linear(x: np.ndarray, key: str) -> np.ndarray:
+        y = x @ get(f"{key}.weight").T
+        bias = f"{key}.bias"
+        return y + get(bias) if has_key(bias) else y
+
+    return linear
+
+
+def _attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    *,
+    n_rep: int,
+    scale: float,
+    mask: np.ndarray,
+    softcap: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Rotary on ``q``/``k`` (``[..., heads, T, d]``), grouped-query softmax attention with the
+    additive ``mask [T, T]`` (after ``softcap`` of the scaled scores, when given); returns the
+    heads merged, ``[..., T, heads * d]``."""
+    dt = q.dtype
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k = np.repeat(k, n_rep, axis=-3)  # head h reads kv head h // n_rep
+    v = np.repeat(v, n_rep, axis=-3)
+    scores = q @ np.swapaxes(k, -1, -2)
+    scores *= dt.type(scale)
+    if softcap is not None:
+        scores = softcap(scores)
+    scores += mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores, out=scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ v
+    *lead, heads, T, d = out.shape
+    return np.swapaxes(out, -3, -2).reshape(*lead, T, heads * d)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaSpec:
     """The dimensions a Llama decoder layer needs, read and checked from ``config.json``."""
@@ -171,12 +215,7 @@ def llama_layer(
     p = layer_prefix
     T = h.shape[-2]
     lead = h.shape[:-2]
-    dt = h.dtype
-
-    def linear(x: np.ndarray, key: str) -> np.ndarray:
-        y = x @ get(f"{key}.weight").T
-        bias = f"{key}.bias"
-        return y + get(bias) if has_key(bias) else y
+    linear = _linear(get, has_key)
 
     def heads(x: np.ndarray, n: int) -> np.ndarray:  # [..., T, n*d] -> [..., n, T, d]
         return np.swapaxes(x.reshape(*lead, T, n, spec.head_dim), -3, -2)
@@ -191,18 +230,11 @@ def llama_layer(
         q = _rms_norm(q, get(f"{p}.self_attn.q_norm.weight"), spec.eps)
     if has_key(f"{p}.self_attn.k_norm.weight"):
         k = _rms_norm(k, get(f"{p}.self_attn.k_norm.weight"), spec.eps)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    k = np.repeat(k, spec.n_rep, axis=-3)  # head h reads kv head h // n_rep
-    v = np.repeat(v, spec.n_rep, axis=-3)
-    scores = q @ np.swapaxes(k, -1, -2)
-    scores *= dt.type(1.0 / math.sqrt(spec.head_dim))
-    scores += np.triu(np.full((T, T), -np.inf, dtype=dt), k=1)  # causal: -inf above the diagonal
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores, out=scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    attn = np.swapaxes(probs @ v, -3, -2).reshape(*lead, T, spec.n_heads * spec.head_dim)
-    del q, k, v, scores, probs
+    causal = np.triu(np.full((T, T), -np.inf, dtype=h.dtype), k=1)  # -inf above the diagonal
+    attn = _attend(
+        q, k, v, cos, sin, n_rep=spec.n_rep, scale=1.0 / math.sqrt(spec.head_dim), mask=causal
+    )
+    del q, k, v
     if capture is not None:
         capture(("self_attn.o_proj",), attn)
     h = h + linear(attn, f"{p}.self_attn.o_proj")
