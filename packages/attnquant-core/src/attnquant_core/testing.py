@@ -1,6 +1,7 @@
 """Helpers for tests of attnquant and of code built on it: small synthetic checkpoints.
 
-Not imported by the library itself; numpy and safetensors only.
+Not imported by the library itself; numpy and safetensors (and ``tokenizers`` for
+:func:`write_byte_tokenizer`) only.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
-__all__ = ["SHAPES", "make_weights", "write_checkpoint"]
+__all__ = ["SHAPES", "make_weights", "write_byte_tokenizer", "write_checkpoint"]
 
 SHAPES = {
     "self_attn.q_proj": (32, 24),
@@ -132,3 +133,19 @@ def family_weights(tensors: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]
             _, layer, family = parsed
             found.setdefault(family, {})[layer] = array
     return {f: [layers[i] for i in sorted(layers)] for f, layers in found.items()}
+
+
+def write_byte_tokenizer(directory: Path, specials: list[str], **tokenizer_config: object) -> None:
+    """Write a byte-level BPE with no merges (ids 0-255: one per byte, then ``specials``) as
+    ``tokenizer.json``, and ``tokenizer_config.json`` with ``tokenizer_config`` (bos/eos
+    tokens, ``model_max_length`` ...) for ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(Path(directory) / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

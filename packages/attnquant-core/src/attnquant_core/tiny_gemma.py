@@ -36,6 +36,8 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
+from .testing import write_byte_tokenizer
+
 __all__ = [
     "TRANSFORMERS_VERSION",
     "gemma3_conditional_config",
@@ -412,33 +414,20 @@ def _write(
 
 def _write_tokenizer(directory: Path, config: Mapping[str, Any]) -> None:
     """A byte-level BPE with no merges (one token per byte), specials up to the vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = config.get("text_config", config)["vocab_size"]
+    text = config.get("text_config", config)
+    vocab = text["vocab_size"]
     if vocab < 259:
         raise ValueError(
             f"tokenizer=True needs vocab_size >= 259 (256 bytes + 3 specials): {vocab}"
         )
     specials = ["<bos>", "<eos>", "<pad>"] + [f"<extra_{i}>" for i in range(vocab - 259)]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<bos>",
-                "eos_token": "<eos>",
-                "pad_token": "<pad>",
-                "model_max_length": int(
-                    config.get("text_config", config)["max_position_embeddings"]
-                ),
-            },
-            indent=2,
-        )
+    write_byte_tokenizer(
+        directory,
+        specials,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        model_max_length=int(text["max_position_embeddings"]),
     )
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import safetensors.numpy
 
+from attnquant_core.testing import write_byte_tokenizer
+
 __all__ = [
     "HEADS",
     "HEAD_DIM",
@@ -77,23 +79,8 @@ def tiny_llama_tensors(seed: int = 0) -> dict[str, np.ndarray]:
 
 def write_tokenizer(directory: Path) -> None:
     """A byte-level BPE with no merges (one token per byte), padded with specials to VOCAB."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIALS)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "model_max_length": MAX_LENGTH,
-            }
-        )
+    write_byte_tokenizer(
+        directory, SPECIALS, bos_token="<s>", eos_token="</s>", model_max_length=MAX_LENGTH
     )
 
 
