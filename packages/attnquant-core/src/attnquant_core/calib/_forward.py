@@ -29,7 +29,13 @@ import numpy as np
 
 from .. import gemma_reference as gemma
 from .. import llama_reference as ref
-from ..io import ThetaCheckpoint, is_theta_checkpoint, open_checkpoint, parse_projection_key
+from ..io import (
+    FAMILIES,
+    ThetaCheckpoint,
+    is_theta_checkpoint,
+    open_checkpoint,
+    parse_projection_key,
+)
 from ..io._calibration import CalibrationError, StatsWriter
 
 __all__ = [
@@ -44,16 +50,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Projections of one Llama or Gemma 3 layer, in the order their grams are written.
-LAYER_PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+#: Projections of one Llama or Gemma 3 layer, in the order their grams are written: the
+#: repeated families of every checkpoint.
+LAYER_PROJECTIONS = FAMILIES
 
 
 def peak_rss_bytes() -> int:
