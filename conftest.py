@@ -1,4 +1,5 @@
-"""Root pytest plugin, loaded by every test session: a log of the MAX graphs each test compiles.
+"""Root pytest plugin, loaded by every test session: a log of the MAX graphs each test compiles,
+and a check that pytest-xdist keeps each ``xdist_group`` (one compiled graph) on one worker.
 
 Set ``ATTNQUANT_COMPILE_LOG=FILE`` and every test appends one JSON line per test that compiled a
 graph (in this process or in a child, such as ``max serve``): its node id, how many new graphs
@@ -47,6 +48,29 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             "names": new,
             "seconds": round(time.monotonic() - start, 1),
             "session": os.environ.get("ATTNQUANT_CI_SESSION", ""),
+            # Under pytest-xdist: the worker, and when the test ran (a graph compiled by the
+            # other worker meanwhile appears here too; scripts/cold_ci.py counts it once).
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+            "started": round(time.time() - (time.monotonic() - start), 1),
         }
         with open(log, "a", encoding="utf-8") as sink:
             sink.write(json.dumps(record) + "\n")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On an xdist worker under ``--dist loadgroup``, fail a grouped test whose group was lost.
+
+    xdist marks a grouped test by suffixing its node id with ``@group``; with pytest 9.2 that
+    silently stopped working (pytest-dev/pytest-xdist#1386) and the workers compiled the same
+    graphs side by side. Failing here makes such an upgrade loud instead of slow.
+    """
+    if (
+        getattr(item.config.option, "loadgroup", False)
+        and item.get_closest_marker("xdist_group") is not None
+        and "@" not in item.nodeid
+    ):
+        pytest.fail(
+            "pytest-xdist lost this test's xdist_group (pytest-dev/pytest-xdist#1386): see the "
+            "pytest constraint in pyproject.toml",
+            pytrace=False,
+        )

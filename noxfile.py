@@ -26,6 +26,13 @@ OFFLINE = {
 }
 
 
+# The sessions that compile MAX graphs run on pytest-xdist workers: a compile keeps about one
+# core busy, so graphs compile side by side. Tests that share a graph share an xdist_group
+# (one worker) and their conftest orders the groups longest compile first.
+PARALLEL = ("--numprocesses", "auto", "--maxprocesses", "4", "--dist", "loadgroup")
+COMPILES = ("kernels", "max")
+
+
 def sync(session: nox.Session, *args: str) -> None:
     """Install from the lock into this session's environment (never re-resolving)."""
     session.run_install(
@@ -56,7 +63,10 @@ def _package_tests(pkg: str):
                 "import importlib.util, sys; "
                 "sys.exit('max is importable in the core env' if importlib.util.find_spec('max') else 0)",
             )
-        session.run("pytest", f"packages/attnquant-{pkg}/tests", *session.posargs, env=OFFLINE)
+        parallel = PARALLEL if pkg in COMPILES else ()
+        session.run(
+            "pytest", f"packages/attnquant-{pkg}/tests", *parallel, *session.posargs, env=OFFLINE
+        )
 
     run.__doc__ = f"Tests of attnquant-{pkg}, in an environment holding only that package."
     return run
@@ -70,7 +80,7 @@ for _pkg in PACKAGES:
 def integration(session: nox.Session) -> None:
     """Cross-package tests (root tests/): CLI round trips, serving end to end through MAX."""
     sync(session, "--all-packages", "--group", "dev", "--group", "test-integration")
-    session.run("pytest", "tests", *session.posargs, env=OFFLINE)
+    session.run("pytest", "tests", *PARALLEL, *session.posargs, env=OFFLINE)
 
 
 @nox.session

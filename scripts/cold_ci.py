@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'total':<14} {total / 60:6.1f} min")
     print(f"\n{len(graphs)} graphs compiled (tests by wall time, setup and teardown included):")
     for c in sorted(compiles, key=lambda c: -c["seconds"]):
-        print(f"  {c['graphs']} graph(s) {c['seconds']:7.1f} s  [{c['session']}] {c['test']}")
+        where = f"{c['session']} {c.get('worker', '')}".strip()
+        print(f"  {c['graphs']} graph(s) {c['seconds']:7.1f} s  [{where}] {c['test']}")
     result = {
         "cold_max_cache": not args.warm,
         "cold_uv_cache": args.cold_uv,

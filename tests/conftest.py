@@ -1,14 +1,22 @@
-"""Fixtures shared by the integration tests: the demo model, its theta checkpoints, a server."""
+"""Fixtures shared by the integration tests: the demo model, its theta checkpoints, a server.
+
+The session runs on pytest-xdist workers (the noxfile passes ``-n``). The tests that serve the
+demo through MAX are split into a few ``xdist_group``s, and each of them first asks for
+:func:`demo_graph`: the first worker to get there compiles the demo's graph while the others
+wait, so two workers never compile the same graph side by side.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +30,23 @@ from attnquant_core import decompose_checkpoint
 
 # Generous: a cold MAX compile of the demo graph takes minutes on a loaded 2-core machine.
 SERVER_READY_TIMEOUT_S = 1200
+
+
+# The xdist groups that serve through MAX, longest first (the order xdist hands them out): the
+# first compiles the demo's graph (demo_graph), "tiny" runs on the other worker meanwhile (its
+# graphs are the tiny Llama's of attnquant-max's tests, cached by then in a full run).
+SERVING_GROUPS = ("serve-reliability", "tiny", "serve-e2e", "demo-verify")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the groups that serve first, longest first; the quick tests fill in after."""
+
+    def rank(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("xdist_group")
+        name = mark.args[0] if mark is not None and mark.args else None
+        return SERVING_GROUPS.index(name) if name in SERVING_GROUPS else len(SERVING_GROUPS)
+
+    items.sort(key=rank)  # stable: each group's tests keep their order
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +67,30 @@ def theta_dir(tmp_path_factory, demo):
         return made[(blocks, rank)]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def demo_graph(demo: Path) -> None:
+    """The demo's stock graph in MAX's cache before a test serves the demo.
+
+    Under xdist the first worker here loads the demo (``load_pipeline`` with the CLI's defaults:
+    the graph ``attnquant serve``, ``verify`` and ``generate`` all use) holding a lock; a worker
+    that comes while it compiles waits, then finds the graph cached. Without xdist there is no
+    one to race: the first test compiles it as it goes.
+    """
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return
+    from attnquant_max import AttnquantConfig, load_pipeline
+
+    lock = Path(tempfile.gettempdir()) / f"attnquant-demo-graph-{run}.lock"
+    with open(lock, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            with load_pipeline(demo, max_length=512, max_batch_size=8, config=AttnquantConfig()):
+                pass
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @dataclass
@@ -115,6 +164,6 @@ def attnquant_serve(
 
 
 @pytest.fixture(scope="session")
-def serve_model():
+def serve_model(demo_graph: None):
     """``serve_model(path, log, name=..., env=...)``: a context manager around ``attnquant serve``."""
     return attnquant_serve

@@ -30,7 +30,7 @@ from attnquant_max.testing import (
     write_tiny_llama,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny")]
 
 SIZES = ["--max-length", str(MAX_LENGTH), "--max-batch-size", str(MAX_BATCH_SIZE)]
 PATHS = {

@@ -207,6 +207,7 @@ pytest_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="
 
 @pytest.mark.slow
 @pytest_linux
+@pytest.mark.xdist_group("serve-reliability")
 def test_kill_9_of_attnquant_serve_leaves_no_server(demo, serve_model, tmp_path):
     """The served process group dies with its supervisor, whatever kills the supervisor."""
     with serve_model(demo, tmp_path / "serve.log") as server:
@@ -228,6 +229,7 @@ def _wait_port_free(port: int, within_s: float = 30.0) -> bool:
 
 @pytest.mark.slow
 @pytest_linux
+@pytest.mark.xdist_group("serve-reliability")
 def test_kill_9_of_max_serve_takes_its_workers(demo, serve_model, tmp_path):
     """max serve SIGKILLed: attnquant serve ends what it left (its model worker) and exits."""
     with serve_model(demo, tmp_path / "serve.log") as server:
@@ -309,6 +311,7 @@ def run_load(port: int, model: str, *, clients: int, seconds: float, malformed_e
 
 @pytest.mark.slow
 @pytest_linux
+@pytest.mark.xdist_group("serve-reliability")
 def test_load_with_malformed_requests_then_sigterm(demo, serve_model, tmp_path):
     """16 clients for 30 s, a quarter malformed: no 5xx, no dropped connection, the server still
     answers, and SIGTERM stops it cleanly with nothing left running."""

@@ -15,6 +15,8 @@ from attnquant_cli import cli
 
 openai = pytest.importorskip("openai")
 
+pytestmark = pytest.mark.usefixtures("demo_graph")  # compiled once, by one worker (conftest.py)
+
 PROMPT = "def "
 CHAT = [{"role": "user", "content": "Write a function that reads a file."}]
 
@@ -28,6 +30,7 @@ def _ask(server) -> tuple[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("serve-e2e")
 def test_served_theta_gives_the_stock_models_greedy_tokens(demo, theta_dir, serve_model, tmp_path):
     theta = theta_dir("layers", 0)
     with serve_model(theta, tmp_path / "theta.log") as server:
@@ -50,6 +53,7 @@ def _verify(base, theta, tmp_path, capsys) -> tuple[int, dict, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("demo-verify")
 def test_verify_passthrough_is_native_equivalent(demo, theta_dir, tmp_path, capsys):
     code, report, text = _verify(demo, theta_dir("layers", 0), tmp_path, capsys)
     assert report["max_abs_logprob_delta"] < 1e-3
@@ -60,6 +64,7 @@ def test_verify_passthrough_is_native_equivalent(demo, theta_dir, tmp_path, caps
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("demo-verify")
 def test_verify_compressed_reports_and_fails(demo, theta_dir, tmp_path, capsys):
     code, report, text = _verify(demo, theta_dir(1, 8), tmp_path, capsys)
     assert report["max_abs_logprob_delta"] >= 1.0 or report["agreement"] < 0.9
@@ -69,6 +74,7 @@ def test_verify_compressed_reports_and_fails(demo, theta_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("demo-verify")
 def test_generate_completes_python(demo, capsys):
     assert cli(["generate", str(demo), "--prompt", "import os\n", "--max-new-tokens", "16"]) == 0
     text = capsys.readouterr().out

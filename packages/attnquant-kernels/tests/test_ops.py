@@ -28,6 +28,7 @@ from attnquant_kernels.testing import (
     theta,
 )
 
+# Each op graph is one xdist group: under the noxfile's ``-n`` the two compile side by side.
 pytestmark = pytest.mark.slow
 
 
@@ -48,6 +49,7 @@ def mlp() -> OpModel:
 
 @pytest.mark.parametrize("rank", [0, 1, 7, 16, 63, 64])
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
+@pytest.mark.xdist_group("linear")
 def test_linear_matches_the_identity_over_ranks_and_batches(linear: OpModel, rank: int, batch: int):
     check_linear(linear, batch, 96, 72, rank, seed=rank * 100 + batch)
 
@@ -64,6 +66,7 @@ def test_linear_matches_the_identity_over_ranks_and_batches(linear: OpModel, ran
         (1, 1024, 4096, 16),  # decode, MLP-sized output
     ],
 )
+@pytest.mark.xdist_group("linear")
 def test_linear_shapes(linear: OpModel, M: int, K: int, N: int, R: int):
     check_linear(linear, M, K, N, R)
 
@@ -76,10 +79,12 @@ def test_linear_shapes(linear: OpModel, M: int, K: int, N: int, R: int):
     R=st.integers(0, MAX_RANK),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.xdist_group("linear")
 def test_linear_random_shapes(linear: OpModel, M: int, K: int, N: int, R: int, seed: int):
     check_linear(linear, M, K, N, R, seed)
 
 
+@pytest.mark.xdist_group("linear")
 def test_linear_empty_batch(linear: OpModel):
     rng = np.random.default_rng(1)
     W0, s, U, V = theta(rng, 6, 8, 3)
@@ -87,6 +92,7 @@ def test_linear_empty_batch(linear: OpModel):
     assert y.shape == y0.shape == yb.shape == (0, 6)
 
 
+@pytest.mark.xdist_group("linear")
 def test_linear_kernel_refuses_rank_65(linear: OpModel):
     """A symbolic rank reaches the kernel, which refuses it with the same advice."""
     rng = np.random.default_rng(2)
@@ -101,6 +107,7 @@ def test_linear_kernel_refuses_rank_65(linear: OpModel):
 
 @pytest.mark.parametrize("rank", [0, 1, 7, 16, 63, 64])
 @pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.xdist_group("mlp")
 def test_mlp_matches_silu_and_gelu_references(mlp: OpModel, rank: int, batch: int):
     check_mlp(mlp, batch, 64, 160, (rank, rank, rank), seed=rank * 100 + batch)
 
@@ -114,6 +121,7 @@ def test_mlp_matches_silu_and_gelu_references(mlp: OpModel, rank: int, batch: in
         (2, 256, 1024, (16, 16, 16)),
     ],
 )
+@pytest.mark.xdist_group("mlp")
 def test_mlp_shapes(mlp: OpModel, M: int, H: int, F: int, ranks: tuple[int, int, int]):
     check_mlp(mlp, M, H, F, ranks)
 
@@ -126,11 +134,13 @@ def test_mlp_shapes(mlp: OpModel, M: int, H: int, F: int, ranks: tuple[int, int,
     ranks=st.tuples(*[st.integers(0, MAX_RANK)] * 3),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.xdist_group("mlp")
 def test_mlp_random_shapes(mlp: OpModel, M: int, H: int, F: int, ranks, seed: int):
     check_mlp(mlp, M, H, F, ranks, seed)
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.xdist_group("mlp")
 def test_mlp_kernel_refuses_rank_65(mlp: OpModel, which: int):
     rng = np.random.default_rng(3)
     ranks = [2, 2, 2]

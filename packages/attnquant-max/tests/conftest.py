@@ -3,13 +3,24 @@
 The model, its shape and serving size live in :mod:`attnquant_max.testing`, shared with the
 integration tests, so each execution path compiles one model graph for the whole CI run
 (~1-2 min cold on 2 cores, 1-2 s from ~/.cache/modular after).
+
+The session runs on pytest-xdist workers (the noxfile passes ``-n``): a MAX compile keeps about
+one core busy, so two graphs compile side by side in the time of one. Each test module, and
+each in-graph path, is one ``xdist_group`` (one worker, fixtures built once), the groups that
+compile a graph are handed out first, longest first, and :func:`load_tiny` holds a lock per
+graph, so a worker that needs a graph the other one is compiling waits for it and then reads it
+from MAX's cache instead of compiling it a second time.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +34,11 @@ from attnquant_max.testing import (
     MAX_BATCH_SIZE,
     MAX_LENGTH,
     PROJECTIONS,
-    load_tiny,
     tiny_llama_tensors,
     write_tiny_bundle,
     write_tiny_llama,
 )
+from attnquant_max.testing import load_tiny as _load_tiny
 
 __all__ = [
     "HIDDEN",
@@ -39,6 +50,51 @@ __all__ = [
     "tiny_llama_tensors",
     "write_tiny_llama",
 ]
+
+
+# The xdist groups that compile a whole graph, longest compile first (cold, 2 cores): the stock
+# graph comes with "gemm" (its first test loads both), and "custom" and "nvfp4" read the stock
+# graph from the cache by the time they need it. Everything else runs after them.
+GRAPH_GROUPS = ("gemm", "layers", "precompute", "nvfp4", "custom", "stock")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the groups that compile first, longest first (the order xdist hands them out)."""
+
+    def rank(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("xdist_group")
+        name = mark.args[0] if mark is not None and mark.args else None
+        return GRAPH_GROUPS.index(name) if name in GRAPH_GROUPS else len(GRAPH_GROUPS)
+
+    items.sort(key=rank)  # stable: each module's (and each path's) tests stay together
+
+
+@contextmanager
+def _graph_lock(config: Any) -> Iterator[None]:
+    """Under xdist, one worker at a time loads (and so compiles) a graph of this ``config``;
+    without xdist, nothing to wait for."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / f"attnquant-graphs-{run}"
+    folder.mkdir(exist_ok=True)
+    name = "".join(c if c.isalnum() else "-" for c in repr(config))[:200]
+    with open(folder / f"{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def load_tiny(path: Path, config: Any = None) -> Any:
+    """:func:`attnquant_max.testing.load_tiny`, one worker at a time per graph: the stock graph
+    (``config=None``, any checkpoint served at precompute-outside) or an execution path's."""
+    from attnquant_max import AttnquantConfig
+
+    with _graph_lock(AttnquantConfig() if config is None else config):
+        return _load_tiny(path, config)
 
 
 def rewrite_tensors(directory: Path, drop: str) -> None:

@@ -38,7 +38,8 @@ from attnquant_max import (
 
 from .conftest import LAYERS, load_tiny
 
-pytestmark = pytest.mark.slow
+# One xdist group per path (conftest.py): the three paths compile on two workers side by side.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemm")]
 
 PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
 GEMM = AttnquantConfig(precompute_outside=False, gemm=True)
@@ -54,7 +55,9 @@ def outside_bundle(tiny_bundle: Path) -> Iterator[LoadedModel]:
         yield model
 
 
-@pytest.fixture(scope="module", params=list(PATHS))
+@pytest.fixture(
+    scope="module", params=[pytest.param(p, marks=pytest.mark.xdist_group(p)) for p in PATHS]
+)
 def in_graph(request: pytest.FixtureRequest, tiny_bundle: Path) -> Iterator[LoadedModel]:
     """The bundle on each in-graph path; one model open at a time (pytest groups the tests
     of one path together, so each path's model loads once)."""

@@ -21,6 +21,8 @@ import pytest
 from attnquant_core import FamilyTheta, decompose_family
 from attnquant_max._layout import InGraphLayout, gemm_band_key, ingraph_tensors
 
+pytestmark = pytest.mark.xdist_group("layers")  # one worker builds the one layer graph
+
 HIDDEN, Q_OUT, KV_OUT, FFL, LAYERS, BLOCKS, RANK, TOKENS = 32, 48, 16, 64, 3, 2, 4, 5
 #: The layers of the graph test: band 0 holds layers 0 and 1; slot 1 is the offset one.
 GRAPH_LAYERS = {"fused": (0, 1), "unfused": (1,), "precompute": (1,)}

@@ -31,7 +31,7 @@ from attnquant_max import (
 
 from .conftest import LAYERS, MAX_BATCH_SIZE, MAX_LENGTH, PROJECTIONS, load_tiny
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("stock")]
 
 PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
 

@@ -26,6 +26,8 @@ from attnquant_max._weights import plan_serving
 
 from .conftest import LAYERS, PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
 
+pytestmark = pytest.mark.xdist_group("nvfp4")  # one worker loads the NVFP4 model
+
 NVFP4 = AttnquantConfig(quant="nvfp4")
 PROMPTS = ["hello world", "The quick brown fox"]
 
