@@ -50,6 +50,14 @@ MODEL_TYPES = frozenset(
 )
 
 
+#: Why Gemma 4 is not aligned (one line): its symmetries differ from those above.
+GEMMA4_WHY = (
+    "alignment does not support Gemma 4: its global layers rotate only a quarter of each head "
+    "(partial rotary), have their own head size, and with attention_k_eq_v use the keys as "
+    "values, so a value rotation would change the keys; decompose it without --align"
+)
+
+
 ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 
 
@@ -154,6 +162,10 @@ def _text_config(config: Mapping | None, where: str) -> dict:
 def _layout(config: Mapping | None, specs: Mapping[str, TensorSpec], where: str) -> _Layout:
     cfg = _text_config(config, where)
     archs = [a for a in (config or {}).get("architectures") or [] if isinstance(a, str)]
+    if any(a.startswith("Gemma4") for a in archs) or str(cfg.get("model_type")).startswith(
+        "gemma4"
+    ):
+        raise AlignError(f"{where}: {GEMMA4_WHY}")
     if not (set(archs) & ARCHITECTURES or cfg.get("model_type") in MODEL_TYPES):
         named = ", ".join(archs) or repr(cfg.get("model_type"))
         raise AlignError(

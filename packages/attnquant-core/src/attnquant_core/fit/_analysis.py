@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.linalg
 
-from ..forms._bands import band_sizes, resolve_blocks
+from ..forms._bands import band_sizes, group_blocks, resolve_blocks
 from ..forms._identity import compute_dtype
 from ..forms._measure import pooled_error
 from ..forms._model import ThetaFamily
-from ..io._checkpoint import Checkpoint, open_checkpoint
+from ..io._checkpoint import Checkpoint, FamilyInfo, open_checkpoint
 from ._decompose import DEFAULT_SVD, SVDOptions, band_mean, check_rank, decompose_family, row_scale
 from ._svd import truncated_svd
 
@@ -124,12 +124,13 @@ def analyze_checkpoint(
     """Decompose every family in memory (one at a time) and report its error and size."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     reports: dict[str, FamilyReport] = {}
-    G = 0
+    G = resolve_blocks(blocks, ckpt.num_layers)
     for name, info in ckpt.families.items():
         weights = [ckpt.get(k, check_finite=True) for k in info.keys]
-        theta, errs = decompose_family(weights, blocks=blocks, rank=rank, name=name, svd=svd)
+        theta, errs = decompose_family(
+            weights, blocks=_blocks_of(info, G, ckpt.num_layers), rank=rank, name=name, svd=svd
+        )
         del weights
-        G = theta.blocks
         reports[name] = FamilyReport(
             name=name,
             shape=theta.shape,
@@ -201,6 +202,11 @@ def _residual_energy(S: np.ndarray, norm2: float, r: int) -> float:
     return max(norm2 - float(np.sum(S[:r].astype(np.float64) ** 2)), 0.0)
 
 
+def _blocks_of(info: FamilyInfo, blocks: int, num_layers: int) -> int:
+    """A family's bands at the model-wide ``G`` (its group's share, for a grouped family)."""
+    return blocks if info.group is None else group_blocks(blocks, info.num_layers, num_layers)
+
+
 def sweep(
     ckpt: Checkpoint | str,
     *,
@@ -226,6 +232,7 @@ def sweep(
     curve_parts: dict[str, list[tuple[int, int, float, float]]] = {}
     Gs = [resolve_blocks(b, L) for b in blocks]
     for name, info in ckpt.families.items():
+        L = info.num_layers  # the family's layers (its group's, for a grouped family)
         out_dim, in_dim = info.shape
         check_rank(name, info.shape, r_max)
         cdt = compute_dtype(info.dtype)
@@ -245,9 +252,10 @@ def sweep(
             (L * k * (out_dim + in_dim), dense, svd_error(k), sum(norms2)) for k in range(full + 1)
         ]
         points: list[SweepPoint] = []
-        for G in Gs:
+        for model_G in Gs:
+            G = _blocks_of(info, model_G, ckpt.num_layers)
             if progress is not None:
-                progress(f"{name} G={G}")
+                progress(f"{name} G={model_G}")
             energy = dict.fromkeys(ranks, 0.0)
             start = 0
             for b, size in enumerate(band_sizes(L, G)):
@@ -273,7 +281,7 @@ def sweep(
                 points.append(
                     SweepPoint(
                         family=name,
-                        blocks=G,
+                        blocks=model_G,
                         rank=r,
                         stored=stored,
                         dense=dense,

@@ -59,6 +59,7 @@ from ..io._manifest import (
     theta_manifest,
     write_manifest,
 )
+from ..io._manifest import theta_key as _theta_key
 from ..io._safetensors import PlannedWriter, TensorSpec
 from ..io._theta_write import copied_specs, family_specs, plain_specs, source_digest, write_copied
 from . import _spectra
@@ -97,14 +98,23 @@ def _fit_family(
     emit: Callable[[str, np.ndarray], None],
     progress: Callable[[DecomposeProgress], None] | None = None,
     digests: dict[int, str] | None = None,
+    layers: Sequence[int] | None = None,
+    family: str | None = None,
 ) -> tuple[list[float], list[float]]:
     """Fit one family in its chosen form, one layer (or band) at a time; ``emit`` each tensor.
 
+    ``layers`` and ``family`` place a grouped family's per-layer keys (its decoder layers and
+    projection; default: layers ``0 .. L-1`` and ``src.name``).
     Returns the per-layer relative errors and norms of what was stored.
     """
     c = choice.candidate
     assert c is not None
     name, L, store = src.name, src.num_layers, src.store
+    at = list(range(L)) if layers is None else list(layers)
+
+    def theta_key(stack: str, layer: int, name: str, part: str) -> str:
+        return _theta_key(stack, at[layer], family or name, part)
+
     cdt = compute_dtype(np.result_type(src.dtype, store))
     errors, norms = [0.0] * L, [0.0] * L
 
@@ -407,6 +417,8 @@ def decompose_budget(
                     ranks=c.ranks,
                     bands=None if c.blocks is None else band_of_layers(s.num_layers, c.blocks),
                     side=c.side,
+                    layers=ckpt.families[s.name].layers,
+                    family=ckpt.families[s.name].family,
                 )
             )
         )
@@ -418,6 +430,7 @@ def decompose_budget(
         with PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
             write_copied(writer, ckpt, copied, digests)
             for s in sources:
+                info = ckpt.families[s.name]
                 choice = report.families[s.name]
                 layer_digests: dict[int, str] = {}
                 errors, norms = _fit_family(
@@ -428,8 +441,10 @@ def decompose_budget(
                     emit=writer.write,
                     progress=progress,
                     digests=layer_digests,
+                    layers=info.layers,
+                    family=info.family,
                 )
-                keys = ckpt.families[s.name].keys
+                keys = info.keys
                 digests.update({keys[i]: d for i, d in layer_digests.items()})
                 choice = _with_measured(choice, errors, norms)
                 choices[s.name] = choice
@@ -448,6 +463,15 @@ def decompose_budget(
                     norms=norms,
                     predicted_error=choice.error,
                     why=choice.why,
+                    **(
+                        {}
+                        if info.group is None
+                        else {
+                            "family": info.family,
+                            "group": info.group,
+                            "layers": list(info.layers),
+                        }
+                    ),
                 )
         report = _with_choices(report, choices)
         summary = report.to_json()

@@ -10,12 +10,13 @@ import numpy as np
 from .._errors import (
     DecompositionError,
 )
-from ..forms._bands import band_of_layers, band_sizes, resolve_blocks
+from ..forms._bands import band_of_layers, band_sizes, group_blocks, resolve_blocks
 from ..forms._identity import compute_dtype
 from ..io._atomic import atomic_directory, copy_side_files
 from ..io._calibration import CalibrationStats
 from ..io._checkpoint import (
     Checkpoint,
+    FamilyInfo,
     open_checkpoint,
 )
 from ..io._manifest import (
@@ -115,10 +116,7 @@ def decompose_checkpoint(
     rank = 16 if rank is None else rank
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     aligned = None if aligned_from is None else aligned_record(ckpt)
-    L = ckpt.num_layers
-    G = resolve_blocks(blocks, L)
-    bands = band_of_layers(L, G)
-    sizes = band_sizes(L, G)
+    G = resolve_blocks(blocks, ckpt.num_layers)
     copied = copied_specs(ckpt)
 
     specs: dict[str, TensorSpec] = dict(copied)
@@ -134,8 +132,10 @@ def decompose_checkpoint(
                     form="banded",
                     shape=info.shape,
                     dtype=store[name],
-                    ranks=[rank] * L,
-                    bands=bands,
+                    ranks=[rank] * info.num_layers,
+                    bands=band_of_layers(info.num_layers, _family_blocks(info, G, ckpt)),
+                    layers=info.layers,
+                    family=info.family,
                 )
             )
         )
@@ -147,12 +147,15 @@ def decompose_checkpoint(
         with PlannedWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
             write_copied(writer, ckpt, copied, digests)
             for name, info in ckpt.families.items():
+                L = info.num_layers  # the family's layers (its group's, when grouped)
+                G_family = _family_blocks(info, G, ckpt)
+                bands = band_of_layers(L, G_family)
                 errors: list[float] = []
                 norms: list[float] = []
                 out_errors: list[float | None] = []
                 white = None if cal is None else cal.getter(info.keys, info.shape[1])
                 start = 0
-                for b, size in enumerate(sizes):
+                for b, size in enumerate(band_sizes(L, G_family)):
                     layers = range(start, start + size)
                     held: np.ndarray | None = None
                     cdt = compute_dtype(np.result_type(info.dtype, store[name]))
@@ -183,7 +186,8 @@ def decompose_checkpoint(
                         del W
                         for part in ("s", "U", "V"):
                             writer.write(
-                                theta_key(info.stack, layer, name, part), getattr(fit.theta, part)
+                                theta_key(info.stack, info.layers[layer], info.family, part),
+                                getattr(fit.theta, part),
                             )
                         errors.append(fit.error)
                         norms.append(fit.norm)
@@ -202,9 +206,10 @@ def decompose_checkpoint(
                     errors=errors,
                     norms=norms,
                     **({} if cal is None else {"output_errors": out_errors}),
+                    **_group_fields(info, model_blocks=G),
                 )
         manifest = theta_manifest(
-            num_layers=L,
+            num_layers=ckpt.num_layers,
             stack=ckpt.stack,
             families=families,
             svd=svd.to_json(),
@@ -214,6 +219,20 @@ def decompose_checkpoint(
         )
         write_manifest(tmp, manifest)
     return manifest
+
+
+def _family_blocks(info: FamilyInfo, blocks: int, ckpt: Checkpoint) -> int:
+    """A family's bands at the model-wide ``G``: ``G`` itself, or its group's share of it."""
+    if info.group is None:
+        return blocks
+    return group_blocks(blocks, info.num_layers, ckpt.num_layers)
+
+
+def _group_fields(info: FamilyInfo, **extra: object) -> dict[str, object]:
+    """The manifest fields of a grouped family (format version 3); none for a uniform one."""
+    if info.group is None:
+        return {}
+    return {"family": info.family, "group": info.group, "layers": list(info.layers), **extra}
 
 
 def rebuild_dense_state(
@@ -233,9 +252,12 @@ def rebuild_dense_state(
     for key in ckpt.keys():
         if key not in projection_keys:
             yield key, ckpt.get(key)
+    G = resolve_blocks(blocks, ckpt.num_layers)
     for name, info in ckpt.families.items():
         weights = [ckpt.get(k, check_finite=True) for k in info.keys]
-        theta, _ = decompose_family(weights, blocks=blocks, rank=rank, name=name, svd=svd)
+        theta, _ = decompose_family(
+            weights, blocks=_family_blocks(info, G, ckpt), rank=rank, name=name, svd=svd
+        )
         del weights
         for layer, key in enumerate(info.keys):
             yield key, theta.reconstruct(layer).astype(info.dtype)

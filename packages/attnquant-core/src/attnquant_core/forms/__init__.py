@@ -7,7 +7,7 @@ one model. :func:`apply` and :func:`reconstruct` are the identity itself; the ba
 """
 
 from ._banded import FamilyTheta, LayerTheta
-from ._bands import band_of_layers, band_sizes, resolve_blocks
+from ._bands import band_of_layers, band_sizes, group_blocks, resolve_blocks
 from ._factored import SIDES, LowRankFamily, SharedBasisFamily, check_bands
 from ._identity import apply, compute_dtype, reconstruct
 from ._measure import FamilyErrors, pooled_error
@@ -31,6 +31,7 @@ __all__ = [
     "common_blocks",
     # bands
     "band_of_layers",
+    "group_blocks",
     "band_sizes",
     "resolve_blocks",
     # errors of a fitted family

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .._errors import DecompositionError
 
-__all__ = ["band_of_layers", "band_sizes", "resolve_blocks"]
+__all__ = ["band_of_layers", "band_sizes", "group_blocks", "resolve_blocks"]
 
 
 def resolve_blocks(blocks: int | str, num_layers: int) -> int:
@@ -44,3 +44,17 @@ def band_of_layers(num_layers: int, blocks: int) -> list[int]:
     for band, size in enumerate(band_sizes(num_layers, blocks)):
         out.extend([band] * size)
     return out
+
+
+def group_blocks(blocks: int, group_layers: int, num_layers: int) -> int:
+    """The bands of a group of ``group_layers`` of a model's ``num_layers`` layers at ``G = blocks``.
+
+    A family grouped by layer shape (Gemma 4 31B's global layers) is banded within each group,
+    with bands in proportion to the group's share of the layers, rounded, at least one and at
+    most the group's layers: ``G = L`` is passthrough in every group and ``G = 1`` one band per
+    group, and the total stays close to ``G``. E.g. 60 layers, 50 sliding and 10 global, at
+    ``G = 6``: 5 bands of 10 sliding layers and one band of the 10 global layers.
+    """
+    G = resolve_blocks(blocks, num_layers)
+    share = (2 * G * group_layers + num_layers) // (2 * num_layers)  # round half up
+    return min(group_layers, max(1, share))

@@ -27,6 +27,7 @@ from ._manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,
+    UNIFORM_FORMAT_VERSION,
     basis_key,
     family_entry,
     is_theta_checkpoint,
@@ -79,6 +80,7 @@ __all__ = [
     # the theta checkpoint
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "UNIFORM_FORMAT_VERSION",
     "MANIFEST_FILE",
     "ThetaCheckpoint",
     "atomic_directory",

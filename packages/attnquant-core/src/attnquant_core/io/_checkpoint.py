@@ -53,16 +53,34 @@ def parse_projection_key(key: str) -> tuple[str, int, str] | None:
 
 @dataclass(frozen=True)
 class FamilyInfo:
-    """One projection family of a checkpoint: its layers' keys, shape and dtype."""
+    """One projection family of a checkpoint: its layers' keys, shape and dtype.
+
+    In a model whose layers are not all one shape (Gemma 4 31B: global layers with their own
+    head size and no ``v_proj``), a family is split into groups of same-shaped layers; each
+    group is a family of its own, named ``<family>@<group>`` (``group`` is the layers'
+    ``layer_types`` entry, or ``<out>x<in>``), ``family`` is the projection (the key name) and
+    ``layers`` the decoder layers it covers. A uniform family has ``group`` None, ``family``
+    equal to ``name`` and ``layers`` ``0 .. L-1``.
+    """
 
     name: str
     stack: str
     keys: tuple[str, ...]
     shape: tuple[int, int]
     dtype: np.dtype
+    family: str = ""
+    layers: tuple[int, ...] = ()
+    group: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.family:
+            object.__setattr__(self, "family", self.name)
+        if not self.layers:
+            object.__setattr__(self, "layers", tuple(range(len(self.keys))))
 
     @property
     def num_layers(self) -> int:
+        """Number of layers of this family (of its group, for a grouped family)."""
         return len(self.keys)
 
 
@@ -73,13 +91,17 @@ class Checkpoint:
         self.path = path
         self.tensors = files
         self.config = config
-        self.families = detect_families(path, files)
+        self.families = detect_families(path, files, config)
         if config is not None:
             check_config_dims(
                 self.directory / "config.json",
                 config,
                 num_layers=self.num_layers,
-                projections={n: (f.keys[0], f.shape) for n, f in self.families.items()},
+                projections={
+                    f.family: (f.keys[0], f.shape)
+                    for f in self.families.values()
+                    if f.group in (None, "sliding_attention")  # global layers: their own dims
+                },
                 embedding=embedding_spec(files, self.stack),
             )
 
@@ -90,8 +112,13 @@ class Checkpoint:
 
     @property
     def num_layers(self) -> int:
-        """Number of decoder layers (every family has the same count)."""
-        return next(iter(self.families.values())).num_layers
+        """Number of decoder layers (a grouped family covers some of them)."""
+        return max(max(f.layers) for f in self.families.values()) + 1
+
+    @property
+    def grouped(self) -> bool:
+        """Whether some family is split into groups of same-shaped layers (Gemma 4 31B)."""
+        return any(f.group is not None for f in self.families.values())
 
     @property
     def stack(self) -> str:
@@ -189,31 +216,92 @@ def _shard_path(directory: Path, index_file: Path, key: str, name: object) -> Pa
     return shard
 
 
-def _layer_type_hint(path: Path) -> str:
+def _text_config(config: dict | None) -> dict:
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def layer_types_of(config: dict | None, num_layers: int) -> list[str] | None:
+    """``layer_types`` of a model whose layers differ in shape (Gemma 4 31B), else None.
+
+    Layers may differ when the config says so: global layers with their own head size
+    (``global_head_dim``) or no ``v_proj`` (``attention_k_eq_v``).
+    """
+    text = _text_config(config)
+    types = text.get("layer_types")
+    mixed = bool(text.get("attention_k_eq_v")) or text.get("global_head_dim") not in (
+        None,
+        text.get("head_dim"),
+    )
+    if not mixed or not isinstance(types, list) or len(types) != num_layers:
+        return None
+    if not all(isinstance(t, str) for t in types):
+        return None
+    return types
+
+
+def _groups(
+    name: str,
+    layers: dict[int, str],
+    shapes: dict[int, tuple[int, ...]],
+    num_layers: int,
+    layer_types: list[str] | None,
+) -> list[tuple[str | None, list[int]]] | None:
+    """The groups of same-shaped layers of one family: ``[(group, layers)]``, or None when the
+    family cannot be grouped (then the caller refuses it as before).
+
+    One group named None when every layer is present and one shape (a uniform family). Else,
+    only where ``layer_types`` explains it: each shape's layers form a group named by their
+    layer type (or ``<out>x<in>`` when several types share the shape), and missing layers must
+    be ``v_proj`` of global layers under ``attention_k_eq_v``.
+    """
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i in sorted(layers):
+        by_shape.setdefault(shapes[i], []).append(i)
+    missing = [i for i in range(num_layers) if i not in layers]
+    if not missing and len(by_shape) == 1:
+        return [(None, sorted(layers))]
+    if layer_types is None:
+        return None
+    if missing and not (
+        name == "self_attn.v_proj" and all(layer_types[i] == "full_attention" for i in missing)
+    ):
+        return None
+    groups: list[tuple[str | None, list[int]]] = []
+    for shape, members in by_shape.items():
+        types = {layer_types[i] for i in members}
+        label = types.pop() if len(types) == 1 else "x".join(str(d) for d in shape)
+        groups.append((label, members))
+    if len({g for g, _ in groups}) != len(groups):
+        return None
+    return sorted(groups, key=lambda g: g[1][0])
+
+
+def _layer_type_hint(path: Path, config: dict | None = None) -> str:
     """Why a family may differ between layers: Gemma 4's global layers (from ``config.json``)."""
-    if not path.exists():  # an in-memory state named for messages only
+    text = _text_config(config)
+    if not text:
         return ""
-    directory = path if path.is_dir() else path.parent
-    try:
-        config = json.loads((directory / "config.json").read_text())
-        text = config.get("text_config") or config
-        mixed = bool(text.get("attention_k_eq_v")) or text.get("global_head_dim") not in (
-            None,
-            text.get("head_dim"),
-        )
-    except (OSError, ValueError, AttributeError):
-        return ""
+    mixed = bool(text.get("attention_k_eq_v")) or text.get("global_head_dim") not in (
+        None,
+        text.get("head_dim"),
+    )
     if not mixed:
         return ""
     return (
-        ". Its global layers (layer_types 'full_attention') have their own head size "
-        "(global_head_dim) and, with attention_k_eq_v, no v_proj, as in Gemma 4 31B: "
-        "attnquant-core does not decompose such checkpoints yet; attnquant-max serves them "
-        "unchanged at passthrough (ATTNQUANT_BLOCKS unset)"
+        ". Its global layers (layer_types 'full_attention') may have their own head size "
+        "and no v_proj (Gemma 4 31B), but config.json's layer_types does not explain this "
+        "layer's shape or absence"
     )
 
 
-def detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo]:
+def detect_families(
+    path: Path, files: SafetensorsFiles, config: dict | None = None
+) -> dict[str, FamilyInfo]:
+    """The projection families of a checkpoint, by key name, grouped by shape where the
+    config's ``layer_types`` explain layers of different shapes (see :class:`FamilyInfo`)."""
     found: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
     for key in files.keys():
         parsed = parse_projection_key(key)
@@ -233,36 +321,53 @@ def detect_families(path: Path, files: SafetensorsFiles) -> dict[str, FamilyInfo
     stack = stacks[0]
     per_family = found[stack]
     num_layers = max(max(layers) for layers in per_family.values()) + 1
+    layer_types = layer_types_of(config, num_layers)
     families: dict[str, FamilyInfo] = {}
     for name in FAMILIES:
         layers = per_family.get(name)
         if layers is None:
             continue
-        missing = [i for i in range(num_layers) if i not in layers]
-        if missing:
-            raise CheckpointError(
-                f"{path}: {stack}.{missing[0]}.{name}.weight is missing "
-                f"(family {name} has {len(layers)} of {num_layers} layers; missing {missing})"
-                + _layer_type_hint(path)
-            )
-        keys = tuple(layers[i] for i in range(num_layers))
-        first = files.spec(keys[0])
-        for key in keys:
+        shapes: dict[int, tuple[int, ...]] = {}
+        first_key = layers[min(layers)]
+        first = files.spec(first_key)
+        for i, key in sorted(layers.items()):
             spec = files.spec(key)
             if len(spec.shape) != 2:
                 raise CheckpointError(f"{path}: {key} has shape {list(spec.shape)}, expected 2-D")
-            if spec.shape != first.shape:
-                raise CheckpointError(
-                    f"{path}: shape mismatch inside family {name}: {key} is "
-                    f"{list(spec.shape)} but {keys[0]} is {list(first.shape)}"
-                    + _layer_type_hint(path)
-                )
             if not is_float(spec.dtype) or spec.dtype != first.dtype:
                 raise CheckpointError(
                     f"{path}: {key} has dtype {spec.dtype}, expected one float dtype "
                     f"across the family ({first.dtype})"
                 )
-        families[name] = FamilyInfo(name, stack, keys, first.shape, first.dtype)  # type: ignore[arg-type]
+            shapes[i] = spec.shape
+        groups = _groups(name, layers, shapes, num_layers, layer_types)
+        if groups is None:
+            missing = [i for i in range(num_layers) if i not in layers]
+            if missing:
+                raise CheckpointError(
+                    f"{path}: {stack}.{missing[0]}.{name}.weight is missing "
+                    f"(family {name} has {len(layers)} of {num_layers} layers; missing {missing})"
+                    + _layer_type_hint(path, config)
+                )
+            key = next(k for i, k in sorted(layers.items()) if shapes[i] != first.shape)
+            raise CheckpointError(
+                f"{path}: shape mismatch inside family {name}: {key} is "
+                f"{list(files.spec(key).shape)} but {first_key} is {list(first.shape)}"
+                + _layer_type_hint(path, config)
+            )
+        for group, members in groups:
+            entry = name if group is None else f"{name}@{group}"
+            shape = shapes[members[0]]
+            families[entry] = FamilyInfo(
+                entry,
+                stack,
+                tuple(layers[i] for i in members),
+                shape,  # type: ignore[arg-type]
+                first.dtype,
+                family=name,
+                layers=tuple(members),
+                group=group,
+            )
     return families
 
 

@@ -16,6 +16,16 @@ Keys per form, ``<layer>`` being ``<stack>.<l>.<family>``:
 * shared_basis, side in: ``attnquant.shared.<family>.<band>.basis [in, k_b]``,
   ``<layer>.theta_U [out, k_b]``; side out: ``...basis [out, k_b]``, ``<layer>.theta_V [in, k_b]``.
 
+Version 3 (written only for models whose layers are not one shape, such as Gemma 4 31B)
+adds grouped families: a projection whose layers differ in shape is stored as one family per
+group of same-shaped layers, named ``<family>@<group>`` (``self_attn.q_proj@full_attention``),
+whose entry adds ``"family"`` (the projection, as in its per-layer keys), ``"group"`` and
+``"layers"`` (the decoder layers it covers; ``ranks`` and ``bands`` are per entry of
+``layers``). Per-layer keys keep the decoder layer's index; shared keys use the entry's name
+(``attnquant.shared.self_attn.q_proj@full_attention.0.W0``). A banded grouped family fitted at
+a model-wide ``G`` records it as ``"model_blocks"``. A uniform model's checkpoint is written
+as version 2, byte for byte as before; readers of version 2 refuse version 3 as newer.
+
 Version 1 checkpoints (every family banded, one rank) are still read.
 """
 
@@ -36,6 +46,7 @@ from .._version import __version__
 from ..forms._factored import SIDES
 from ..forms._measure import pooled_error
 from ..forms._model import FORMS
+from ._checkpoint import FAMILIES
 from ._safetensors import (
     dtype_name,
 )
@@ -44,6 +55,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_FILE",
+    "UNIFORM_FORMAT_VERSION",
     "basis_key",
     "check_manifest",
     "dense_key",
@@ -61,7 +73,11 @@ __all__ = [
 FORMAT_NAME = "attnquant-theta"
 
 
-FORMAT_VERSION = 2
+#: The newest format version this attnquant reads and writes (3: grouped families).
+FORMAT_VERSION = 3
+
+#: The version written when no family is grouped (every layer of a family one shape).
+UNIFORM_FORMAT_VERSION = 2
 
 
 MANIFEST_FILE = "attnquant.json"
@@ -169,11 +185,13 @@ def theta_manifest(
     of a fit to an aligned copy (written last, after ``source``).
     """
     banded = [f for f in families.values() if f["form"] == "banded"]
-    Gs = {max(f["bands"]) + 1 for f in banded}
+    # A grouped family counts with the model-wide G it was fitted at (None: chosen per group).
+    Gs = {f.get("model_blocks") if "layers" in f else max(f["bands"]) + 1 for f in banded}
     blocks = Gs.pop() if len(Gs) == 1 else None
+    grouped = any("layers" in f for f in families.values())
     manifest = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if grouped else UNIFORM_FORMAT_VERSION,
         "writer": f"attnquant-core {__version__}",
         # The G every banded family shares (what ATTNQUANT_BLOCKS is checked against); null
         # when no family is banded or they disagree.
@@ -266,16 +284,36 @@ def check_manifest(where: Path, m: object) -> dict:
                 f"{where}: family {name} has form {form!r}, which this version cannot read"
             )
         _int_list(where, name, "shape", fam["shape"], 2)
+        n = L
+        if "layers" in fam:  # a grouped family (version 3)
+            if version < 3:
+                raise ThetaFormatError(
+                    f"{where}: family {name} lists 'layers', which format version {version} "
+                    f"does not have"
+                )
+            layers = fam["layers"]
+            n = len(layers) if isinstance(layers, list) else 0
+            layers = _int_list(where, name, "layers", layers, n)
+            if not n or layers != sorted(set(layers)) or layers[-1] >= L:
+                raise ThetaFormatError(
+                    f"{where}: family {name} has layers={layers!r}; expected increasing decoder "
+                    f"layers within 0..{L - 1}"
+                )
+            if not isinstance(fam.get("family"), str) or fam["family"] not in FAMILIES:
+                raise ThetaFormatError(
+                    f"{where}: grouped family {name} names projection {fam.get('family')!r}"
+                )
+            fam["layers"] = layers
         if version == 1:
             fam["ranks"] = [fam["rank"]] * L
-        fam["ranks"] = _int_list(where, name, "ranks", fam["ranks"], L)
+        fam["ranks"] = _int_list(where, name, "ranks", fam["ranks"], n)
         fam["rank"] = max(fam["ranks"])
         if form == "lowrank":
             fam["bands"], fam["side"] = None, None
         else:
             if not fam.get("bands"):
                 raise ThetaFormatError(f"{where}: family {name} ({form}) has no 'bands'")
-            fam["bands"] = _int_list(where, name, "bands", fam["bands"], L)
+            fam["bands"] = _int_list(where, name, "bands", fam["bands"], n)
             fam["blocks"] = max(fam["bands"]) + 1
             side = fam.get("side")
             if form == "shared_basis" and side not in SIDES:
@@ -285,5 +323,15 @@ def check_manifest(where: Path, m: object) -> dict:
                 )
             fam["side"] = side if form == "shared_basis" else None
         families[name] = fam
+    covered: dict[str, list[int]] = {}
+    for name, fam in families.items():
+        layers = fam.get("layers", range(L))
+        seen = covered.setdefault(fam.get("family", name), [])
+        if set(seen) & set(layers):
+            raise ThetaFormatError(
+                f"{where}: family {name} covers layers another entry of "
+                f"{fam.get('family', name)} covers too"
+            )
+        seen.extend(layers)
     m["families"] = families
     return m

@@ -15,7 +15,7 @@ from .._errors import (
     ThetaFormatError,
 )
 from ..forms._banded import FamilyTheta, LayerTheta
-from ..forms._bands import band_of_layers, resolve_blocks
+from ..forms._bands import band_of_layers, group_blocks, resolve_blocks
 from ..forms._factored import LowRankFamily, SharedBasisFamily
 from ..forms._identity import reconstruct
 from ..forms._model import ThetaFamily, ThetaModel
@@ -89,12 +89,25 @@ class ThetaCheckpoint:
             )
         return self
 
+    def layers_of(self, family: str) -> list[int]:
+        """The decoder layers ``family`` covers (all of them unless the family is grouped)."""
+        return list(self._entry(family).get("layers", range(self.num_layers)))
+
+    def projection_of(self, family: str) -> str:
+        """The projection a family entry stores (``self_attn.q_proj`` for ``...@full_attention``)."""
+        return str(self._entry(family).get("family", family))
+
     def _expected_bands(self, name: str, fam: dict) -> tuple[list[int], int, str | None]:
         """The canonical band map of a banded or shared-basis family, its ``G``, and a problem."""
-        L = self.num_layers
+        L = len(fam.get("layers", range(self.num_layers)))
         recorded = list(fam["bands"])
         top = self.manifest["blocks"]
-        G = int(top) if fam["form"] == "banded" and top is not None else max(recorded) + 1
+        grouped = "layers" in fam
+        G = (
+            int(top)
+            if fam["form"] == "banded" and top is not None and not grouped
+            else max(recorded) + 1
+        )
         if not 1 <= G <= L:
             return recorded, G, f"{name}: blocks={G} is outside 1..{L}"
         expected = band_of_layers(L, G)
@@ -109,13 +122,14 @@ class ThetaCheckpoint:
         return expected, G, None
 
     def _validate(self, blocks: int | str | None) -> None:
-        L = self.num_layers
         band_problems: list[str] = []  # banded families: W0 and band maps
         other_problems: list[str] = []  # the other forms, stray keys
         referenced: set[str] = set()
         banded_G: dict[str, int] = {}
+        grouped_G: dict[str, tuple[int, int, int]] = {}  # name: (model G, its G, its layers)
         for name, fam in self.families.items():
             form = fam["form"]
+            L = len(fam.get("layers", range(self.num_layers)))
             problems = band_problems if form == "banded" else other_problems
             bands = None
             if form != "lowrank":
@@ -123,9 +137,11 @@ class ThetaCheckpoint:
                 if problem is not None:
                     problems.append(problem)
                     continue
-                if form == "banded":
+                if form == "banded" and "layers" not in fam:
                     banded_G[name] = G
-                else:
+                elif form == "banded" and fam.get("model_blocks") is not None:
+                    grouped_G[name] = (int(fam["model_blocks"]), G, L)
+                elif form != "banded":
                     uneven = [
                         i
                         for i in range(L)
@@ -146,6 +162,8 @@ class ThetaCheckpoint:
                 ranks=fam["ranks"],
                 bands=bands,
                 side=fam["side"],
+                layers=fam.get("layers"),
+                family=fam.get("family"),
             )
             bad_layers: dict[int, list[str]] = {}
             for key, (spec, layers) in want.items():
@@ -168,7 +186,18 @@ class ThetaCheckpoint:
             other_problems.append(
                 f"theta keys the manifest does not describe: {', '.join(stray[:8])}"
             )
+        L = self.num_layers
         want_G = None if blocks is None else resolve_blocks(blocks, L)
+        if want_G is not None:
+            for name, (model_G, G, n) in grouped_G.items():
+                want = group_blocks(want_G, n, L)
+                if model_G != want_G and want != G:
+                    band_problems.insert(
+                        0,
+                        f"{name}: decomposed with blocks={model_G} ({G} bands of its {n} layers), "
+                        f"asked to serve blocks={want_G} ({want} bands): layers "
+                        f"{self.layers_of(name)} have no band-compatible W0",
+                    )
         if want_G is not None and banded_G:
             wanted = band_of_layers(L, want_G)
             off = {n: g for n, g in banded_G.items() if g != want_G}
@@ -261,29 +290,30 @@ class ThetaCheckpoint:
         return self.tensors.get(basis_key(family, band))
 
     def layer(self, family: str, layer: int) -> LayerTheta:
-        """The stored ``s``, ``U``, ``V`` of one layer of a banded family."""
+        """The stored ``s``, ``U``, ``V`` of one decoder layer of a banded family."""
         self._entry(family, "banded")
         get = self.tensors.get
+        projection = self.projection_of(family)
         return LayerTheta(
-            s=get(theta_key(self.stack, layer, family, "s")),
-            U=get(theta_key(self.stack, layer, family, "U")),
-            V=get(theta_key(self.stack, layer, family, "V")),
+            s=get(theta_key(self.stack, layer, projection, "s")),
+            U=get(theta_key(self.stack, layer, projection, "U")),
+            V=get(theta_key(self.stack, layer, projection, "V")),
         )
 
     def factors(
         self, family: str, layer: int, *, shared: np.ndarray | None = None
     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray, np.ndarray]:
-        """The identity's parts ``(s, W0, U, V)`` of one layer, in any form.
+        """The identity's parts ``(s, W0, U, V)`` of one decoder layer, in any form.
 
         ``shared`` is the layer's band tensor (``W0`` or basis) when the caller holds it.
         """
         fam = self._entry(family)
         get = self.tensors.get
-        key = partial(theta_key, self.stack, layer, family)
+        key = partial(theta_key, self.stack, layer, self.projection_of(family))
         form = fam["form"]
         if form == "lowrank":
             return None, None, get(key("U")), get(key("V"))
-        band = fam["bands"][layer]
+        band = fam["bands"][self.layers_of(family).index(layer)]
         if form == "banded":
             W0 = shared if shared is not None else get(shared_key(family, band))
             return get(key("s")), W0, get(key("U")), get(key("V"))
@@ -303,21 +333,22 @@ class ThetaCheckpoint:
             name=family,
             shared=tuple(self.shared(family, b) for b in range(max(fam["bands"]) + 1)),
             bands=tuple(fam["bands"]),
-            layers=tuple(self.layer(family, i) for i in range(self.num_layers)),
+            layers=tuple(self.layer(family, i) for i in self.layers_of(family)),
         )
 
     def family_theta(self, family: str) -> ThetaFamily:
         """Load one whole family, in whatever form it is stored."""
         fam = self._entry(family)
-        L = self.num_layers
+        layers = self.layers_of(family)
+        projection = self.projection_of(family)
         get = self.tensors.get
         if fam["form"] == "banded":
             return self.family(family)
         if fam["form"] == "lowrank":
             return LowRankFamily(
                 name=family,
-                U=tuple(get(theta_key(self.stack, i, family, "U")) for i in range(L)),
-                V=tuple(get(theta_key(self.stack, i, family, "V")) for i in range(L)),
+                U=tuple(get(theta_key(self.stack, i, projection, "U")) for i in layers),
+                V=tuple(get(theta_key(self.stack, i, projection, "V")) for i in layers),
             )
         part = "U" if fam["side"] == "in" else "V"
         return SharedBasisFamily(
@@ -325,7 +356,7 @@ class ThetaCheckpoint:
             side=fam["side"],
             bases=tuple(self.basis(family, b) for b in range(max(fam["bands"]) + 1)),
             bands=tuple(fam["bands"]),
-            coefs=tuple(get(theta_key(self.stack, i, family, part)) for i in range(L)),
+            coefs=tuple(get(theta_key(self.stack, i, projection, part)) for i in layers),
         )
 
     def load(self) -> ThetaModel:
@@ -356,7 +387,8 @@ class ThetaCheckpoint:
         """Every dense key of the rebuilt model, original names."""
         keys = set(self.copied_keys())
         for name in self.families:
-            keys.update(dense_key(self.stack, i, name) for i in range(self.num_layers))
+            projection = self.projection_of(name)
+            keys.update(dense_key(self.stack, i, projection) for i in self.layers_of(name))
         return sorted(keys)
 
     def rebuilt_state(self) -> Iterator[tuple[str, np.ndarray]]:
@@ -369,10 +401,11 @@ class ThetaCheckpoint:
         for name, fam in self.families.items():
             dtype = self._source_dtype(name)
             band, held = -1, None
-            for layer in range(self.num_layers):
-                if fam["form"] != "lowrank" and fam["bands"][layer] != band:
-                    band = fam["bands"][layer]  # consecutive layers of a band share one tensor
+            projection = self.projection_of(name)
+            for i, layer in enumerate(self.layers_of(name)):
+                if fam["form"] != "lowrank" and fam["bands"][i] != band:
+                    band = fam["bands"][i]  # consecutive layers of a band share one tensor
                     key = shared_key if fam["form"] == "banded" else basis_key
                     held = self.tensors.get(key(name, band))
                 W = reconstruct(*self.factors(name, layer, shared=held)).astype(dtype)
-                yield dense_key(self.stack, layer, name), W
+                yield dense_key(self.stack, layer, projection), W

@@ -57,40 +57,51 @@ def family_specs(
     ranks: Sequence[int],
     bands: Sequence[int] | None,
     side: str | None = None,
+    layers: Sequence[int] | None = None,
+    family: str | None = None,
 ) -> dict[str, tuple[TensorSpec, tuple[int, ...]]]:
-    """Every tensor a family of ``form`` stores: key -> (spec, the layers that read it)."""
+    """Every tensor a family of ``form`` stores: key -> (spec, the layers that read it).
+
+    ``ranks`` and ``bands`` are per layer of the family; for a grouped family (see
+    :class:`attnquant_core.io.FamilyInfo`) ``layers`` are the decoder layers it covers and
+    ``family`` the projection named in its per-layer keys (``name`` names its shared keys).
+    """
     out_dim, in_dim = shape
     L = len(ranks)
     specs: dict[str, tuple[TensorSpec, tuple[int, ...]]] = {}
+    at = list(range(L)) if layers is None else list(layers)  # the family's decoder layers
+
+    def key(layer: int, part: str) -> str:
+        return theta_key(stack, at[layer], family or name, part)
+
+    def locals_of(band: int) -> list[int]:
+        return [i for i in range(L) if bands is not None and bands[i] == band]
 
     def members(band: int) -> tuple[int, ...]:
-        return tuple(i for i in range(L) if bands is not None and bands[i] == band)
+        return tuple(at[i] for i in locals_of(band))
 
     if form == "banded":
         assert bands is not None
         for b in range(max(bands) + 1):
             specs[shared_key(name, b)] = (TensorSpec(dtype, (out_dim, in_dim)), members(b))
         for layer, r in enumerate(ranks):
-            specs[theta_key(stack, layer, name, "s")] = (TensorSpec(dtype, (out_dim,)), (layer,))
-            specs[theta_key(stack, layer, name, "U")] = (TensorSpec(dtype, (out_dim, r)), (layer,))
-            specs[theta_key(stack, layer, name, "V")] = (TensorSpec(dtype, (in_dim, r)), (layer,))
+            specs[key(layer, "s")] = (TensorSpec(dtype, (out_dim,)), (at[layer],))
+            specs[key(layer, "U")] = (TensorSpec(dtype, (out_dim, r)), (at[layer],))
+            specs[key(layer, "V")] = (TensorSpec(dtype, (in_dim, r)), (at[layer],))
     elif form == "lowrank":
         for layer, r in enumerate(ranks):
-            specs[theta_key(stack, layer, name, "U")] = (TensorSpec(dtype, (out_dim, r)), (layer,))
-            specs[theta_key(stack, layer, name, "V")] = (TensorSpec(dtype, (in_dim, r)), (layer,))
+            specs[key(layer, "U")] = (TensorSpec(dtype, (out_dim, r)), (at[layer],))
+            specs[key(layer, "V")] = (TensorSpec(dtype, (in_dim, r)), (at[layer],))
     elif form == "shared_basis":
         assert bands is not None
         basis_dim, coef_dim, part = (
             (in_dim, out_dim, "U") if side == "in" else (out_dim, in_dim, "V")
         )
         for b in range(max(bands) + 1):
-            layers = members(b)
-            specs[basis_key(name, b)] = (TensorSpec(dtype, (basis_dim, ranks[layers[0]])), layers)
+            width = ranks[locals_of(b)[0]]
+            specs[basis_key(name, b)] = (TensorSpec(dtype, (basis_dim, width)), members(b))
         for layer, k in enumerate(ranks):
-            specs[theta_key(stack, layer, name, part)] = (
-                TensorSpec(dtype, (coef_dim, k)),
-                (layer,),
-            )
+            specs[key(layer, part)] = (TensorSpec(dtype, (coef_dim, k)), (at[layer],))
     else:
         raise ThetaFormatError(f"{name}: unknown form {form!r} (forms: {', '.join(FORMS)})")
     return specs
