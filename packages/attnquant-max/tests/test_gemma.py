@@ -20,7 +20,14 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from attnquant_core import BandMismatchError, ThetaFormatError, decompose_checkpoint
+from attnquant_core import (
+    BandMismatchError,
+    ThetaCheckpoint,
+    ThetaFormatError,
+    decompose_checkpoint,
+    parse_projection_key,
+    rebuild_dense_state,
+)
 from attnquant_core.tiny_gemma import (
     write_tiny_gemma3,
     write_tiny_gemma3_conditional,
@@ -206,6 +213,103 @@ def test_gemma4_31b_shape_at_passthrough_is_handed_over_unchanged(
     assert "layers.1.self_attn.v_proj.weight" not in stock
     with config_override(AttnquantConfig()):
         _assert_same(_our_state(name, max_archs, path), stock)
+
+
+@pytest.fixture(scope="module")
+def gemma4_31b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 4 31B's shape: global layers (1 and 3) with head size 32, one kv head, no v_proj."""
+    return write_tiny_gemma4(tmp_path_factory.mktemp("g4_31b") / "dense")
+
+
+def _projection_suffix(key: str) -> str | None:
+    """``layers.3.self_attn.q_proj.weight`` from any stack's projection key."""
+    parsed = parse_projection_key(key)
+    return None if parsed is None else f"layers.{parsed[1]}.{parsed[2]}.weight"
+
+
+def test_gemma4_31b_shape_theta_at_passthrough_is_what_the_stock_adapter_makes(
+    max_archs: dict[str, Any], gemma4_31b: Path, tmp_path: Path
+) -> None:
+    """A theta checkpoint of the 31B shape (families grouped by layer shape, format version 3)
+    is rebuilt at load into exactly the tensors MAX's stock Gemma 4 loader reads."""
+    theta = tmp_path / "theta"
+    manifest = decompose_checkpoint(gemma4_31b, theta, blocks="layers", rank=0)
+    assert manifest["format_version"] == 3
+    name = "Gemma4ForConditionalGeneration"
+    stock = _stock_state(name, max_archs, gemma4_31b)
+    assert "layers.1.self_attn.v_proj.weight" not in stock
+    with config_override(AttnquantConfig()):
+        plan = plan_serving(theta)
+        assert plan.source == "theta" and plan.passthrough and plan.num_layers == 4
+        _assert_same(_our_state(name, max_archs, theta), stock)
+    with config_override(AttnquantConfig(blocks="layers")):
+        _assert_same(_our_state(name, max_archs, theta), stock)
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_gemma4_31b_shape_banded_theta_hands_max_cores_rebuild(
+    max_archs: dict[str, Any], gemma4_31b: Path, tmp_path: Path, blocks: int
+) -> None:
+    """At G < L the weights handed to MAX are core's rebuild, bit for bit, under MAX's keys."""
+    theta = tmp_path / "theta"
+    decompose_checkpoint(gemma4_31b, theta, blocks=blocks, rank=4)
+    name = "Gemma4ForConditionalGeneration"
+    stock = _stock_state(name, max_archs, gemma4_31b)
+    rebuilt = dict(ThetaCheckpoint.open(theta).rebuilt_state())
+    with config_override(AttnquantConfig(blocks=blocks)):
+        ours = _our_state(name, max_archs, theta)
+        assert dict(plan_serving(theta).state()).keys() == rebuilt.keys()
+    assert sorted(ours) == sorted(stock)
+    by_suffix = {_projection_suffix(k): a for k, a in rebuilt.items() if _projection_suffix(k)}
+    checked = 0
+    for key in ours:
+        suffix = next((s for s in by_suffix if key.endswith(s)), None)
+        if suffix is None:
+            assert _raw(ours[key]) == _raw(stock[key]), key  # norms, embedding: unchanged
+            continue
+        assert _raw(ours[key])[2] == np.ascontiguousarray(by_suffix[suffix]).tobytes(), key
+        checked += 1
+    assert checked == len(by_suffix)  # every projection, global layers' own shapes included
+    assert any(_raw(ours[k]) != _raw(stock[k]) for k in ours if k.endswith("q_proj.weight"))
+
+
+def test_gemma4_31b_shape_dense_decomposed_at_load(gemma4_31b: Path) -> None:
+    """A dense checkpoint of the 31B shape served at G < L is decomposed at load like core's
+    rebuild_dense_state; at passthrough it is handed over unchanged."""
+    with config_override(AttnquantConfig()):
+        assert plan_serving(gemma4_31b).passthrough
+    with config_override(AttnquantConfig(blocks=2, rank=4)):
+        state = dict(plan_serving(gemma4_31b).state())
+    expected = dict(rebuild_dense_state(gemma4_31b, blocks=2, rank=4))
+    assert state.keys() == expected.keys()
+    for key, array in expected.items():
+        assert state[key].tobytes() == array.tobytes(), key
+
+
+def test_gemma4_31b_shape_theta_with_wrong_blocks_is_refused_naming_layers(
+    gemma4_31b: Path, tmp_path: Path
+) -> None:
+    decompose_checkpoint(gemma4_31b, tmp_path / "theta", blocks=2, rank=2)
+    with (
+        config_override(AttnquantConfig(blocks=1)),
+        pytest.raises(BandMismatchError, match=r"blocks=2.*blocks=1.*layers \["),
+    ):
+        plan_serving(tmp_path / "theta")
+
+
+def test_gemma4_31b_shape_in_graph_is_refused_in_one_line(gemma4_31b: Path, tmp_path: Path) -> None:
+    """The in-graph paths hold one band layout per family; grouped families are named."""
+    decompose_checkpoint(gemma4_31b, tmp_path / "theta", blocks=2, rank=2)
+    in_graph = AttnquantConfig(blocks=2, precompute_outside=False, gemm=True)
+    for path in (gemma4_31b, tmp_path / "theta"):
+        with (
+            config_override(in_graph),
+            pytest.raises(
+                NotImplementedError, match=r"q_proj@full_attention.*ATTNQUANT_PRECOMPUTE_OUTSIDE=1"
+            ) as info,
+        ):
+            plan_serving(path)
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("name", ARCHS)

@@ -352,6 +352,9 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
                 "Serve it with ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_PRECOMPUTE=0 (the "
                 "defaults), which rebuild every form once at load"
             )
+        _refuse_grouped_in_graph(
+            path, how["path"], [n for n, f in ckpt.families.items() if "layers" in f]
+        )
         _check_custom_op_rank(how["path"], ckpt.rank, path)
         return ServingPlan(
             model_path=path,
@@ -365,8 +368,7 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
         )
     blocks = "layers" if config.blocks is None else config.blocks
     rank = 0 if blocks == "layers" else config.rank
-    unchanged = blocks == "layers" and how["path"] == "precompute-outside" and not config.quant
-    num_layers = _dense_num_layers(path, passthrough=unchanged)
+    num_layers = _dense_num_layers(path, serving=how["path"])
     _check_custom_op_rank(how["path"], rank, path)
     return ServingPlan(
         model_path=path,
@@ -379,38 +381,31 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
     )
 
 
-def _text_config_json(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config.get("text_config") or config if isinstance(config, dict) else {}
-
-
-def _dense_num_layers(path: Path, *, passthrough: bool) -> int:
+def _dense_num_layers(path: Path, *, serving: str) -> int:
     """``L`` of a dense checkpoint, its families checked by core.
 
     Gemma 4 31B's global layers have their own head size and no ``v_proj``
-    (``global_head_dim``, ``attention_k_eq_v``), so its projection families are not one shape
-    across layers and core refuses to decompose it. Served unchanged at passthrough it needs
-    no decomposition: then ``L`` is read from ``config.json`` instead.
+    (``global_head_dim``, ``attention_k_eq_v``): core groups its families by layer shape,
+    which the precompute-outside path rebuilds like any other; the in-graph paths hold one
+    band layout per family and do not serve grouped families.
     """
-    try:
-        return open_checkpoint(path).num_layers
-    except CheckpointError:
-        text = _text_config_json(path)
-        head_dim, global_head_dim = text.get("head_dim"), text.get("global_head_dim")
-        mixed = bool(text.get("attention_k_eq_v")) or (
-            global_head_dim is not None and global_head_dim != head_dim
-        )
-        if not (passthrough and mixed and isinstance(text.get("num_hidden_layers"), int)):
-            raise
-        logger.info(
-            "%s: layers of different shapes (Gemma 4 global layers); served unchanged at "
-            "passthrough. Decomposing it (G < L) is not supported yet.",
-            path,
-        )
-        return int(text["num_hidden_layers"])
+    ckpt = open_checkpoint(path)
+    _refuse_grouped_in_graph(
+        path, serving, [n for n, f in ckpt.families.items() if f.group is not None]
+    )
+    return ckpt.num_layers
+
+
+def _refuse_grouped_in_graph(path: Path, serving: str, grouped: list[str]) -> None:
+    """An in-graph path refuses families grouped by layer shape, naming them, in one line."""
+    if serving == "precompute-outside" or not grouped:
+        return
+    raise NotImplementedError(
+        f"{path}: the {serving} path (in-graph theta) serves families of one shape across "
+        f"layers; this model's layers differ in shape ({', '.join(grouped)}). Serve it with "
+        "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_PRECOMPUTE=0 (the defaults), which "
+        "rebuild every family once at load"
+    )
 
 
 def _check_custom_op_rank(path: str, rank: int, model_path: Path) -> None:
