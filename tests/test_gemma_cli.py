@@ -12,7 +12,7 @@ import pytest
 from attnquant_cli import cli
 from attnquant_core import ThetaCheckpoint, open_checkpoint
 from attnquant_core.gemma_reference import gemma3_logits
-from attnquant_core.tiny_gemma import write_tiny_gemma3
+from attnquant_core.tiny_gemma import write_tiny_gemma3, write_tiny_gemma4
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +108,79 @@ def test_gpu_stage_preparation_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(s.shape == (gpu.GEMMA_NEW_TOKENS,) and (s < 0).all() for s in scores)
     ids = max(max(p) for p in gpu.GEMMA_PROMPTS)
     assert ids < json.loads((paths["dense"] / "config.json").read_text())["vocab_size"]
+
+
+# -- Gemma 4 31B's shape: global layers with their own head size and no v_proj -----------------
+
+
+@pytest.fixture(scope="module")
+def gemma4_31b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gemma4(tmp_path_factory.mktemp("gemma4") / "dense", tokenizer=True)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--blocks", "layers", "--rank", "0"],
+        ["--blocks", "2", "--rank", "4"],
+        ["--blocks", "1", "--rank", "8"],
+        ["--budget", "0.5"],
+    ],
+    ids=["passthrough", "G2r4", "G1r8", "budget"],
+)
+def test_decompose_gemma4_31b_shape(
+    gemma4_31b: Path, tmp_path: Path, args: list[str], capsys
+) -> None:
+    out = tmp_path / "theta"
+    assert cli(["decompose", str(gemma4_31b), "-o", str(out), *args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["stored_parameters"] > 0
+    assert "self_attn.q_proj@full_attention" in summary["families"]
+    manifest = json.loads((out / "attnquant.json").read_text())
+    assert manifest["format_version"] == 3
+    rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
+    source = _state(gemma4_31b)
+    assert rebuilt.keys() == source.keys()
+    assert all(rebuilt[k].dtype == source[k].dtype for k in source)
+    if args[1] == "layers":
+        assert all(rebuilt[k].tobytes() == source[k].tobytes() for k in source)
+
+
+def test_decompose_align_gemma4_is_refused_in_one_line(
+    gemma4_31b: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "theta"
+    argv = ["decompose", str(gemma4_31b), "-o", str(out), "--blocks", "layers", "--rank", "0"]
+    assert cli([*argv, "--align"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "does not support Gemma 4" in err and "without --align" in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "does not support Gemma 4" in errors[0]  # one line says why
+    assert not out.exists()
+
+
+def test_analyze_gemma4_31b_shape(gemma4_31b: Path, tmp_path: Path) -> None:
+    out = tmp_path / "analyze"
+    argv = ["analyze", str(gemma4_31b), "--blocks", "1,2,layers", "--rank", "0,4", "-o", str(out)]
+    assert cli(argv) == 0
+    result = json.loads((out / "analyze.json").read_text())
+    assert "self_attn.o_proj@full_attention" in json.dumps(result)
+
+
+@pytest.mark.parametrize("source", ["dense", "theta"])
+def test_export_nvfp4_gemma4_31b_shape(
+    gemma4_31b: Path, tmp_path: Path, source: str, capsys
+) -> None:
+    src = gemma4_31b
+    if source == "theta":
+        src = tmp_path / "theta"
+        assert (
+            cli(["decompose", str(gemma4_31b), "-o", str(src), "--blocks", "2", "--rank", "4"]) == 0
+        )
+        capsys.readouterr()
+    out = tmp_path / "fp4"
+    assert cli(["export", str(src), "-o", str(out), "--format", "nvfp4", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["quantized"] == len(open_checkpoint(gemma4_31b).projection_keys())
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_algo"] == "NVFP4"

@@ -109,8 +109,9 @@ def _open_source(src: str | Path | Checkpoint | ThetaCheckpoint) -> _Source:
         projections = set()
         for name, fam in theta.families.items():
             dtype = _theta_dtype(fam)
-            for layer in range(theta.num_layers):
-                key = f"{theta.stack}.{layer}.{name}.weight"
+            projection = theta.projection_of(name)  # grouped families: the layers' projection
+            for layer in theta.layers_of(name):
+                key = f"{theta.stack}.{layer}.{projection}.weight"
                 specs[key] = TensorSpec(dtype, tuple(fam["shape"]))
                 projections.add(key)
         return _Source(
