@@ -8,6 +8,9 @@
   ``S S^T = G + delta I``; :func:`whitened_svd`, :func:`whitened_row_scale`,
   :func:`whitened_residual_svd` and :func:`whitened_shared_basis` minimise
   ``||(W - W_hat) X||_F``.
+* Sequential correction (SVD-LLM V2, Basis Sharing): :func:`decompose_calibrated` calibrates
+  in the same pass and fits each layer against the inputs of the already-compressed layers
+  (:func:`sequential_target`: ``||W X - W_hat X_hat||`` as a whitened fit of a corrected target).
 * Making statistics: :func:`read_texts`, :func:`token_stream` and :func:`token_windows` turn
   text into token windows; :func:`calibrate` runs them through a checkpoint
   (:func:`open_source`, dense or theta) layer by layer in numpy and writes the grams.
@@ -15,6 +18,12 @@
   base model on held-out windows.
 """
 
+from ..fit._sequential import (
+    left_factor,
+    refit_coefficients,
+    sequential_error,
+    sequential_target,
+)
 from ..fit._whiten import (
     DEFAULT_DAMPING,
     Whitening,
@@ -47,6 +56,7 @@ from ._forward import (
     output_head,
     peak_rss_bytes,
 )
+from ._sequential import SEQUENTIAL_STAGES, decompose_calibrated, windows_digest
 
 __all__ = [
     # the statistics file
@@ -68,6 +78,14 @@ __all__ = [
     "whitened_spectrum",
     "whitened_svd",
     "whitening",
+    # sequential correction: fit against the compressed model's own inputs
+    "SEQUENTIAL_STAGES",
+    "decompose_calibrated",
+    "left_factor",
+    "refit_coefficients",
+    "sequential_error",
+    "sequential_target",
+    "windows_digest",
     # making statistics: text, tokens, the layer-by-layer forward
     "DEFAULT_SAMPLES",
     "DEFAULT_SEQ_LEN",

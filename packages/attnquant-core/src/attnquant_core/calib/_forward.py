@@ -261,6 +261,20 @@ def _batches(n: int, batch: int) -> Iterator[slice]:
         yield slice(start, min(n, start + batch))
 
 
+def _embedded(source: ModelSource, windows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The embedded windows ``[n, T, hidden]``; refuses ids outside the vocabulary."""
+    windows = np.asarray(windows, dtype=np.int64)
+    if windows.ndim != 2 or not windows.size:
+        raise CalibrationError("token windows must be a non-empty [n, T] array")
+    embed_key = f"{source.prefix}.embed_tokens.weight"
+    if not source.has_key(embed_key):
+        raise ref.ReferenceConfigError(f"{source.path}: no {embed_key!r}")
+    embed = source.get(embed_key)
+    if windows.min() < 0 or windows.max() >= embed.shape[0]:
+        raise CalibrationError(f"token ids outside 0..{embed.shape[0] - 1} of {embed_key!r}")
+    return source.decoder.embed(embed[windows], dtype)
+
+
 def _forward_layers(
     source: ModelSource,
     windows: np.ndarray,
@@ -277,16 +291,7 @@ def _forward_layers(
     """
     decoder = source.decoder
     windows = np.asarray(windows, dtype=np.int64)
-    if windows.ndim != 2 or not windows.size:
-        raise CalibrationError("token windows must be a non-empty [n, T] array")
-    embed_key = f"{source.prefix}.embed_tokens.weight"
-    if not source.has_key(embed_key):
-        raise ref.ReferenceConfigError(f"{source.path}: no {embed_key!r}")
-    embed = source.get(embed_key)
-    if windows.min() < 0 or windows.max() >= embed.shape[0]:
-        raise CalibrationError(f"token ids outside 0..{embed.shape[0] - 1} of {embed_key!r}")
-    h = decoder.embed(embed[windows], dtype)
-    del embed
+    h = _embedded(source, windows, dtype)
     tables = decoder.tables(windows.shape[1], dtype)
     num_layers = source.num_layers
     for layer in range(num_layers):

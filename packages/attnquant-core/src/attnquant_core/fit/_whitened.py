@@ -19,7 +19,7 @@ is spent where the inputs make it count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,8 @@ class Calibration:
 
     stats: CalibrationStats
     damping: float = DEFAULT_DAMPING
+    #: Recorded over the statistics' own fields (e.g. the text a same-pass calibration read).
+    data: Mapping[str, object] | None = None
 
     def whitening(self, key: str, in_features: int) -> Whitening | None:
         """The whitening of weight ``key``'s input, or None when the statistics lack it."""
@@ -61,7 +63,7 @@ class Calibration:
 
     def record(self, keys: Sequence[str]) -> dict[str, object]:
         """What the manifest says of the statistics used: digest, tokens, damping, coverage."""
-        return {
+        record: dict[str, object] = {
             "objective": "output error ||(W - W_hat) X|| over the calibration inputs (whitened "
             "fits; 'errors'/'error' stay the weight error, 'output_errors' and a budget's "
             "'predicted_error' are of the output)",
@@ -72,6 +74,9 @@ class Calibration:
             "whitened": sum(1 for k in keys if k in self.stats),
             "unwhitened": sum(1 for k in keys if k not in self.stats),
         }
+        if self.data:
+            record.update(self.data)
+        return record
 
 
 def as_calibration(
