@@ -207,6 +207,26 @@ def test_a_grouped_family_in_a_version_2_manifest_is_refused(g4: Path, tmp_path:
         ThetaCheckpoint.open(tmp_path / "theta")
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda f: f.update(layers=[2, 9]), r"layers=\[2, 9\]; expected increasing"),
+        (lambda f: f.update(layers=[5, 2]), "expected increasing"),
+        (lambda f: f.update(layers=[0, 5]), "covers layers another entry"),
+        (lambda f: f.update(family="self_attn.x_proj"), "names projection"),
+        (lambda f: f.update(ranks=[0]), "expected 2 whole numbers"),
+    ],
+)
+def test_bad_grouped_entries_are_refused(g4: Path, tmp_path: Path, edit, message: str) -> None:
+    decompose_checkpoint(g4, tmp_path / "theta", blocks="layers", rank=0)
+    path = tmp_path / "theta" / "attnquant.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest["families"]["self_attn.q_proj@full_attention"])
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ThetaFormatError, match=message):
+        ThetaCheckpoint.open(tmp_path / "theta")
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_every_budget_form(g4: Path, tmp_path: Path, form: str) -> None:
     source = _dense(g4)

@@ -52,9 +52,9 @@ MODEL_TYPES = frozenset(
 
 #: Why Gemma 4 is not aligned (one line): its symmetries differ from those above.
 GEMMA4_WHY = (
-    "alignment does not support Gemma 4: its global layers rotate only a quarter of each head "
-    "(partial rotary), have their own head size, and with attention_k_eq_v use the keys as "
-    "values, so a value rotation would change the keys; decompose it without --align"
+    "alignment does not support Gemma 4: its global layers have their own head size and, with "
+    "attention_k_eq_v, take their values from k_proj (before k_norm and RoPE), so the value "
+    "rotations alignment applies would change the keys; decompose it without --align"
 )
 
 
