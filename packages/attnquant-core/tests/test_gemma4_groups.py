@@ -215,6 +215,7 @@ def test_a_grouped_family_in_a_version_2_manifest_is_refused(g4: Path, tmp_path:
         (lambda f: f.update(layers=[0, 5]), "covers layers another entry"),
         (lambda f: f.update(family="self_attn.x_proj"), "names projection"),
         (lambda f: f.update(ranks=[0]), "expected 2 whole numbers"),
+        (lambda f: f.update(model_blocks=1), "2 bands of its 2 layers are not what model_blocks=1"),
     ],
 )
 def test_bad_grouped_entries_are_refused(g4: Path, tmp_path: Path, edit, message: str) -> None:

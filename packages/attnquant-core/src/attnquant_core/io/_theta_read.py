@@ -140,10 +140,22 @@ class ThetaCheckpoint:
                 if form == "banded" and "layers" not in fam:
                     banded_G[name] = G
                 elif form == "banded" and fam.get("model_blocks") is not None:
-                    grouped_G[name] = (int(fam["model_blocks"]), G, L)
+                    model_G = fam["model_blocks"]
+                    if not (
+                        isinstance(model_G, int)
+                        and 1 <= model_G <= self.num_layers
+                        and group_blocks(model_G, L, self.num_layers) == G
+                    ):
+                        problems.append(
+                            f"{name}: {G} bands of its {L} layers are not what model_blocks="
+                            f"{model_G!r} gives"
+                        )
+                        continue
+                    grouped_G[name] = (model_G, G, L)
                 elif form != "banded":
+                    at = fam.get("layers", range(L))
                     uneven = [
-                        i
+                        at[i]
                         for i in range(L)
                         if fam["ranks"][i] != fam["ranks"][bands.index(bands[i])]
                     ]
