@@ -162,6 +162,7 @@ def test_decompose_align_gemma4_is_refused_in_one_line(
 def test_analyze_gemma4_31b_shape(gemma4_31b: Path, tmp_path: Path) -> None:
     out = tmp_path / "analyze"
     argv = ["analyze", str(gemma4_31b), "--blocks", "1,2,layers", "--rank", "0,4", "-o", str(out)]
+    argv += ["--budget", "0.3,0.6"]  # the auto form's frontier too
     assert cli(argv) == 0
     result = json.loads((out / "analyze.json").read_text())
     assert "self_attn.o_proj@full_attention" in json.dumps(result)
