@@ -34,6 +34,7 @@ from attnquant_core import (
 from ._calibrate import calibrate
 from ._check import check
 from ._console import Output
+from ._decompose_data import check_calibration_options, decompose_with_data
 from ._demo import demo_model_path
 from ._eval import evaluate_command
 from ._prompts import VERIFY_PROMPTS
@@ -160,11 +161,43 @@ def decompose(
             "calibration inputs instead of the weight error."
         ),
     ] = None,
+    calibration_data: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--calibration-data",
+            help="Calibration text (as `attnquant calibrate --data`; repeat for more): "
+            "calibrate in the same pass and fit for the output error.",
+        ),
+    ] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option(min=1, help="--calibration-data: sequences. [default: 128]"),
+    ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(min=2, help="--calibration-data: tokens per sequence. [default: 512]"),
+    ] = None,
+    sequential: Annotated[
+        bool | None,
+        typer.Option(
+            "--sequential/--no-sequential",
+            help="With --calibration-data: fit each layer against the inputs the already "
+            "compressed layers produce (SVD-LLM V2 / Basis Sharing). [default: on]",
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
     json_summary: JsonFlag = False,
 ) -> None:
     """Decompose every projection family of CKPT into a theta checkpoint."""
     src = demo_model_path() if str(ckpt) == "demo" else ckpt
+    check_calibration_options(
+        calibration=calibration,
+        calibration_data=calibration_data,
+        sequential=sequential,
+        samples=samples,
+        seq_len=seq_len,
+        align=align,
+    )
     if calibration is not None and align:
         raise DecompositionError(
             "--calibration with --align: the statistics are of the original layers, not the "
@@ -178,6 +211,22 @@ def decompose(
     value = None if budget is None else _budget_value(budget)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; remove it or pass --overwrite")
+    if calibration_data:
+        decompose_with_data(
+            src,
+            output,
+            calibration_data,
+            blocks=blocks,
+            rank=rank,
+            budget=value,
+            sequential=sequential,
+            samples=samples,
+            seq_len=seq_len,
+            overwrite=overwrite,
+            quiet=json_summary,
+        )
+        _print_json_summary(output, json_summary)
+        return
     if not align:
         _decompose(
             src,
@@ -251,6 +300,8 @@ def _print_json_summary(output: Path, wanted: bool) -> None:
     }
     if "budget" in manifest:
         summary["budget"] = manifest["budget"]
+    if "calibration" in manifest:
+        summary["calibration"] = manifest["calibration"]
     _print_json(summary)
 
 

@@ -21,6 +21,7 @@ from attnquant_core.calib import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQ_LEN,
     CalibrationError,
+    ModelSource,
     open_source,
     read_texts,
     stats_digest,
@@ -32,7 +33,14 @@ from attnquant_core.calib import calibrate as run_calibration
 from ._console import Output
 from ._demo import demo_model_path
 
-__all__ = ["DATA_DIR", "calibrate", "data_windows", "default_data", "layer_progress"]
+__all__ = [
+    "DATA_DIR",
+    "calibrate",
+    "calibration_windows",
+    "data_windows",
+    "default_data",
+    "layer_progress",
+]
 
 console = Output(stderr=True)
 out = Output()
@@ -87,6 +95,30 @@ def data_windows(
     return token_windows(stream, seq_len=seq_len, samples=samples, seed=seed), len(stream)
 
 
+def calibration_windows(
+    source: ModelSource, texts: list[Path], *, samples: int, seq_len: int, seed: int
+) -> np.ndarray:
+    """The calibration windows ``[n, T]`` of ``texts`` for ``source`` (``--data``/``--samples``/
+    ``--seq-len`` of ``calibrate``, ``--calibration-data`` of ``decompose``): ``seq_len``
+    checked against the config, a note on stderr when the text holds fewer than asked."""
+    path = source.path
+    max_len = int(source.text_config.get("max_position_embeddings") or seq_len)
+    if seq_len > max_len:
+        raise CalibrationError(
+            f"--seq-len {seq_len} exceeds {path}'s max_position_embeddings ({max_len})"
+        )
+    windows, stream_len = data_windows(
+        path, source.config, texts, seq_len=seq_len, samples=samples, seed=seed
+    )
+    if windows.shape[0] < samples or windows.shape[1] < seq_len:
+        console.print(
+            f"note: the text holds {stream_len} tokens: {windows.shape[0]} sequence(s) of "
+            f"{windows.shape[1]} tokens (asked for {samples} x {seq_len})",
+            highlight=False,
+        )
+    return windows
+
+
 def layer_progress() -> Progress:
     return Progress(
         TextColumn("{task.description:<26}"),
@@ -123,20 +155,7 @@ def calibrate(
     texts = default_data(path, is_demo, data, "calibration")
     started = time.perf_counter()
     source = open_source(path)
-    max_len = int(source.config.get("max_position_embeddings") or seq_len)
-    if seq_len > max_len:
-        raise CalibrationError(
-            f"--seq-len {seq_len} exceeds {path}'s max_position_embeddings ({max_len})"
-        )
-    windows, stream_len = data_windows(
-        path, source.config, texts, seq_len=seq_len, samples=samples, seed=seed
-    )
-    if windows.shape[0] < samples or windows.shape[1] < seq_len:
-        console.print(
-            f"note: the text holds {stream_len} tokens: {windows.shape[0]} sequence(s) of "
-            f"{windows.shape[1]} tokens (asked for {samples} x {seq_len})",
-            highlight=False,
-        )
+    windows = calibration_windows(source, texts, samples=samples, seq_len=seq_len, seed=seed)
     with layer_progress() as progress:
         task = progress.add_task("calibrating layers", total=source.num_layers)
         report = run_calibration(
