@@ -223,3 +223,22 @@ def test_budget_sequential_keeps_the_dense_allocation(tmp_path: Path, fitted) ->
     assert seq["budget"]["stored_over_dense"] == plain["budget"]["stored_over_dense"] <= 0.5
     theta = ThetaCheckpoint.open(tmp_path / "s")
     assert np.isfinite(theta.rebuild("mlp.down_proj", LAYERS - 1)).all()
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_gemma3_fits_sequentially(tmp_path: Path, conditional: bool) -> None:
+    """Gemma 3 (bf16, sliding and global layers; the multimodal wrapper's text decoder too)."""
+    from attnquant_core.tiny_gemma import write_tiny_gemma3, write_tiny_gemma3_conditional
+
+    writer = write_tiny_gemma3_conditional if conditional else write_tiny_gemma3
+    path = writer(tmp_path / "gemma")
+    source = open_source(path)
+    vocab = source.get(f"{source.prefix}.embed_tokens.weight").shape[0]
+    windows = np.random.default_rng(0).integers(0, vocab, size=(4, 12))
+    manifest = decompose_calibrated(source, windows, tmp_path / "theta", rank=2)
+    assert manifest["calibration"]["sequential"] is True
+    theta = ThetaCheckpoint.open(tmp_path / "theta")
+    for name, family in manifest["families"].items():
+        assert all(np.isfinite(e) for e in family["output_errors"]), name
+        W = theta.rebuild(name, source.num_layers - 1)
+        assert np.isfinite(np.asarray(W, np.float32)).all()
