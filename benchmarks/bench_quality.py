@@ -14,6 +14,9 @@ result on the same held-out text in one run (attnquant-core's numpy forward):
 * ``attnquant_auto`` — ``attnquant decompose --budget``: the auto form, weight error;
 * ``attnquant_auto_calibrated`` — (c) ``attnquant decompose --budget --calibration``: the
   auto form fitted for the output error.
+* ``attnquant_auto_sequential`` — (c) with ``--calibration-data --sequential``
+  (``decompose_calibrated``): the same allocation (dense-input whitened spectra, from the
+  same calibration windows), then each layer fit against the compressed model's own inputs.
 
 Beside them, ``attnquant verify``'s native-equivalence criteria (max |delta log p| < 1 of the
 base's 32 greedy tokens after each verify prompt, greedy agreement >= 90%) computed in the
@@ -45,6 +48,7 @@ from attnquant_core import FAMILIES, ThetaCheckpoint, decompose_budget
 from attnquant_core.calib import (
     ModelSource,
     calibrate,
+    decompose_calibrated,
     evaluate,
     open_source,
     peak_rss_bytes,
@@ -157,6 +161,18 @@ def main() -> None:
     parser.add_argument(
         "--skip-auto", action="store_true", help="leave out attnquant decompose --budget"
     )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="run only these rows (e.g. attnquant_auto_calibrated attnquant_auto_sequential); "
+        "a quicker run on a busy machine",
+    )
+    parser.add_argument(
+        "--skip-sequential",
+        action="store_true",
+        help="leave out decompose --calibration-data --sequential (the slowest row)",
+    )
     args, unknown = parser.parse_known_args()
     if unknown:
         print(f"note: ignoring options of other benchmarks: {unknown}")
@@ -212,8 +228,15 @@ def main() -> None:
             ("attnquant_auto", None, False),
             ("attnquant_auto_calibrated", None, True),
         ]
+    wanted = set(args.methods) if args.methods else None
+    if wanted is not None:
+        methods = {k: v for k, v in methods.items() if k in wanted}
+        core_methods = [m for m in core_methods if m[0] in wanted]
+    run_sequential = not args.skip_auto and not args.skip_sequential
+    run_sequential &= wanted is None or "attnquant_auto_sequential" in wanted
     dense_params = sum(o * i for o, i in shapes.values())
     rows = []
+    sequential_s: dict[float, float] = {}
     parity_base = verify_base(config, state)
     for budget in args.budgets:
         sources, meta = [base], []
@@ -236,6 +259,18 @@ def main() -> None:
             rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
             parity = verify_numpy(config, rebuilt, parity_base)
             meta.append((name, fitted.stored / fitted.dense, parity))
+        if run_sequential:
+            out = tmp / f"attnquant_auto_sequential-{budget}"
+            t0 = time.perf_counter()
+            manifest = decompose_calibrated(
+                base, calib_windows, out, budget=budget, sequential=True, damping=args.damping
+            )
+            sequential_s[budget] = round(time.perf_counter() - t0, 1)
+            sources.append(open_source(out))
+            rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
+            parity = verify_numpy(config, rebuilt, parity_base)
+            achieved = manifest["budget"]["stored_over_dense"]
+            meta.append(("attnquant_auto_sequential", achieved, parity))
         t0 = time.perf_counter()
         results = evaluate(sources, heldout)
         eval_s = time.perf_counter() - t0
@@ -254,7 +289,7 @@ def main() -> None:
                 }
             )
             print(
-                f"budget {budget:.2f} {name:<22} ppl {r.perplexity:8.3f} "
+                f"budget {budget:.2f} {name:<25} ppl {r.perplexity:8.3f} "
                 f"(x{r.perplexity / dense.perplexity:.4f})  top-1 {100 * r.top1:6.2f}%  "
                 f"KL {r.kl:.4f}  verify max|dlogp| {parity['max_abs_logprob_delta']:.2f} "
                 f"agree {100 * parity['agreement']:.0f}% "
@@ -284,6 +319,7 @@ def main() -> None:
             "predictions": dense.tokens,
             "dense_perplexity": dense.perplexity,
         },
+        "sequential_fit_seconds": sequential_s,
         "rows": rows,
         "wall_s": round(time.perf_counter() - started, 1),
         "peak_rss_bytes": peak_rss_bytes(),
