@@ -28,8 +28,10 @@ OFFLINE = {
 
 # The sessions that compile MAX graphs run on pytest-xdist workers: a compile keeps about one
 # core busy, so graphs compile side by side. Tests that share a graph share an xdist_group
-# (one worker) and their conftest orders the groups longest compile first.
+# (one worker) and their conftest orders the groups longest compile first; xdist keeps that
+# order (by default it would hand out the groups with the most tests first).
 PARALLEL = ("--numprocesses", "auto", "--maxprocesses", "4", "--dist", "loadgroup")
+PARALLEL += ("--no-loadscope-reorder",)
 COMPILES = ("kernels", "max")
 
 
