@@ -14,26 +14,10 @@ import safetensors.numpy
 from attnquant_cli import cli
 from attnquant_core import MANIFEST_FILE, ThetaCheckpoint
 from attnquant_core.calib import read_texts, token_stream, token_windows, windows_digest
-from attnquant_core.testing import make_weights, write_byte_tokenizer
+from attnquant_core.testing import llama_config, make_weights, write_byte_tokenizer
 
 LAYERS, VOCAB = 3, 257
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 24,
-    "intermediate_size": 40,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "vocab_size": VOCAB,
-    "eos_token_id": 256,
-    "max_position_embeddings": 64,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
+CONFIG = llama_config(LAYERS, vocab_size=VOCAB, eos_token_id=256, max_position_embeddings=64)
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x = 0\n    y = 0\n" * 6
 FEW = ["--samples", "4", "--seq-len", "16"]
 

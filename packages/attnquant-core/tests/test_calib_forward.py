@@ -22,25 +22,10 @@ from attnquant_core.calib import (
     token_windows,
 )
 from attnquant_core.llama_reference import llama_logits
-from attnquant_core.testing import SHAPES, make_weights
+from attnquant_core.testing import SHAPES, llama_config, make_weights
 
 # attnquant_core.testing's shapes: hidden 24, q 32 = 4 heads x 8, k/v 8 = 1 KV head, MLP 40.
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 24,
-    "intermediate_size": 40,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "vocab_size": 16,
-    "eos_token_id": 1,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
+CONFIG = llama_config(2)
 
 
 def tiny_llama(directory: Path, *, seed: int = 0) -> tuple[Path, dict[str, np.ndarray]]:

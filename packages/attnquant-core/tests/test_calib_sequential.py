@@ -27,25 +27,10 @@ from attnquant_core.calib import (
 )
 from attnquant_core.calib._forward import _forward_layers
 from attnquant_core.fit._whitened import fit_layer_whitened
-from attnquant_core.testing import make_weights
+from attnquant_core.testing import llama_config, make_weights
 
 LAYERS = 3
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 24,
-    "intermediate_size": 40,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "vocab_size": 16,
-    "eos_token_id": 1,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
+CONFIG = llama_config(LAYERS)
 
 
 def _inputs(rng: np.random.Generator, n_in: int, N: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
-__all__ = ["SHAPES", "make_weights", "write_byte_tokenizer", "write_checkpoint"]
+__all__ = ["SHAPES", "llama_config", "make_weights", "write_byte_tokenizer", "write_checkpoint"]
 
 SHAPES = {
     "self_attn.q_proj": (32, 24),
@@ -23,6 +23,28 @@ SHAPES = {
     "mlp.up_proj": (40, 24),
     "mlp.down_proj": (24, 40),
 }
+
+
+def llama_config(num_layers: int = 4, **overrides: object) -> dict[str, object]:
+    """A ``LlamaForCausalLM`` ``config.json`` for :data:`SHAPES` (hidden 24, 4 query heads and
+    1 key/value head of 8, MLP 40), so the numpy forwards run :func:`make_weights`' tensors."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 24,
+        "intermediate_size": 40,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": 16,
+        "eos_token_id": 1,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        **overrides,
+    }
 
 
 def make_weights(
