@@ -4,6 +4,8 @@
     python scripts/cold_ci.py --cold-uv        # the uv cache cold too (downloads every wheel)
     python scripts/cold_ci.py -s tests-max     # some sessions only
     python scripts/cold_ci.py --warm           # keep ~/.cache/modular: the warm-run time
+    python scripts/cold_ci.py --keep-cache     # cold, then keep the caches it filled, and
+    XDG_CACHE_HOME=<printed> python scripts/cold_ci.py --warm   # time CI again on them
 
 MAX compiles a graph on first use and caches it under ``$XDG_CACHE_HOME/modular``; this points
 ``XDG_CACHE_HOME`` at a fresh temporary directory (uv's cache stays where it is unless
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-s", "--sessions", nargs="+", default=DEFAULT_SESSIONS)
     parser.add_argument("--cold-uv", action="store_true", help="Empty uv cache as well.")
     parser.add_argument("--warm", action="store_true", help="Use the user's MAX cache as is.")
+    parser.add_argument(
+        "--keep-cache", action="store_true", help="Keep the caches filled (for a --warm rerun)."
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "cold_ci.json")
     args = parser.parse_args(argv)
 
@@ -104,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
-    if not args.warm:
+    if args.keep_cache and not args.warm:
+        print(f"caches kept: XDG_CACHE_HOME={scratch / 'cache'}")
+    elif not args.warm:
         shutil.rmtree(scratch / "cache", ignore_errors=True)
     return 0 if all(s["exit_code"] == 0 for s in sessions) else 1
 
