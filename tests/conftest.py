@@ -9,14 +9,12 @@ wait, so two workers never compile the same graph side by side.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -78,19 +76,14 @@ def demo_graph(demo: Path) -> None:
     that comes while it compiles waits, then finds the graph cached. Without xdist there is no
     one to race: the first test compiles it as it goes.
     """
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    if os.environ.get("PYTEST_XDIST_TESTRUNUID") is None:
         return
     from attnquant_max import AttnquantConfig, load_pipeline
+    from attnquant_max.testing import graph_lock
 
-    lock = Path(tempfile.gettempdir()) / f"attnquant-demo-graph-{run}.lock"
-    with open(lock, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            with load_pipeline(demo, max_length=512, max_batch_size=8, config=AttnquantConfig()):
-                pass
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    config = AttnquantConfig()
+    with graph_lock("demo"), load_pipeline(demo, max_length=512, max_batch_size=8, config=config):
+        pass
 
 
 @dataclass

@@ -14,13 +14,9 @@ from MAX's cache instead of compiling it a second time.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +30,7 @@ from attnquant_max.testing import (
     MAX_BATCH_SIZE,
     MAX_LENGTH,
     PROJECTIONS,
+    graph_lock,
     tiny_llama_tensors,
     write_tiny_bundle,
     write_tiny_llama,
@@ -69,31 +66,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: each module's (and each path's) tests stay together
 
 
-@contextmanager
-def _graph_lock(config: Any) -> Iterator[None]:
-    """Under xdist, one worker at a time loads (and so compiles) a graph of this ``config``;
-    without xdist, nothing to wait for."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
-        yield
-        return
-    folder = Path(tempfile.gettempdir()) / f"attnquant-graphs-{run}"
-    folder.mkdir(exist_ok=True)
-    name = "".join(c if c.isalnum() else "-" for c in repr(config))[:200]
-    with open(folder / f"{name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def load_tiny(path: Path, config: Any = None) -> Any:
     """:func:`attnquant_max.testing.load_tiny`, one worker at a time per graph: the stock graph
     (``config=None``, any checkpoint served at precompute-outside) or an execution path's."""
     from attnquant_max import AttnquantConfig
 
-    with _graph_lock(AttnquantConfig() if config is None else config):
+    with graph_lock(repr(AttnquantConfig() if config is None else config)):
         return _load_tiny(path, config)
 
 

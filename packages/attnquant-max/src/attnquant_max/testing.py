@@ -9,8 +9,12 @@ of every path (minutes each on two cores).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ __all__ = [
     "TINY_RANK",
     "TINY_SERVING",
     "VOCAB",
+    "graph_lock",
     "load_tiny",
     "tiny_llama_tensors",
     "write_tiny_bundle",
@@ -117,6 +122,26 @@ def write_tiny_llama(
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(directory)
     return directory
+
+
+@contextmanager
+def graph_lock(name: str) -> Iterator[None]:
+    """Under pytest-xdist, one worker at a time inside (per ``name``, per test run): a worker
+    that needs a graph another one is compiling waits, then reads it from MAX's cache instead
+    of compiling it too. Without xdist there is no one to wait for."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / f"attnquant-graphs-{run}"
+    folder.mkdir(exist_ok=True)
+    safe = "".join(c if c.isalnum() else "-" for c in name)[:200]
+    with open(folder / f"{safe}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_tiny(path: Path, config: Any = None) -> Any:
