@@ -529,9 +529,19 @@ def analyze(
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Directory for analyze.{csv,json,png}.")
     ] = Path("attnquant-analyze"),
+    calibration: Annotated[
+        Path | None,
+        typer.Option(
+            help="Calibration statistics (public format): add the relative output error "
+            "||(W - W_hat) X|| / ||W X|| of every form fit for it, and the frontier fit for it; "
+            "families without statistics keep the weight error only."
+        ),
+    ] = None,
 ) -> None:
     """Sweep G x r: error against compression, beside per-layer SVD at the same size."""
     from attnquant_core import budget_frontier, open_checkpoint, sweep
+    from attnquant_core.calib import read_stats
+    from attnquant_core.fit import coverage_record
 
     from ._analyze import (
         frontier_table,
@@ -546,6 +556,9 @@ def analyze(
     Gs, ranks = _int_list(blocks, "blocks"), _int_list(rank, "rank")
     budgets = [_budget_value(b.strip()) for b in budget.split(",")] if budget is not None else []
     checkpoint = open_checkpoint(src)
+    stats = None if calibration is None else read_stats(calibration)
+    if stats is not None:
+        coverage_record(checkpoint, stats)  # statistics of another model: refused up front
     with Progress(
         TextColumn("{task.description:<30}"),
         BarColumn(),
@@ -558,32 +571,49 @@ def analyze(
         def step(what: str) -> None:
             progress.update(task, advance=1, description=what)
 
-        result = sweep(checkpoint, blocks=Gs, ranks=ranks, progress=step)  # type: ignore[arg-type]
-        frontier = None
-        if budgets:
+        result = sweep(
+            checkpoint,
+            blocks=Gs,  # type: ignore[arg-type]
+            ranks=ranks,  # type: ignore[arg-type]
+            progress=step,
+            calibration=stats,
+        )
+        frontier = output_frontier = None
+        for cal in [None, stats] if budgets and stats is not None else [None] if budgets else []:
             spectra = progress.add_task(
-                "budget spectra", total=len(checkpoint.families) * checkpoint.num_layers
+                "budget spectra" if cal is None else "whitened spectra",
+                total=len(checkpoint.families) * checkpoint.num_layers,
             )
-            frontier = budget_frontier(
+            points = budget_frontier(
                 checkpoint,
                 budgets,
-                progress=lambda event: progress.update(
-                    spectra, advance=1, description=f"spectra {event.family}"
+                progress=lambda event, task=spectra: progress.update(
+                    task, advance=1, description=f"spectra {event.family}"
                 ),
+                calibration=cal,
             )
+            if cal is None:
+                frontier = points
+            else:
+                output_frontier = points
     output.mkdir(parents=True, exist_ok=True)
     title = f"{src.name}: error against compression"
-    write_atomic(output / "analyze.csv", lambda p: write_csv(result, p, frontier=frontier))
+    frontiers = dict(frontier=frontier, output_frontier=output_frontier)
+    write_atomic(output / "analyze.csv", lambda p: write_csv(result, p, **frontiers))
     write_atomic(
         output / "analyze.json",
-        lambda p: write_json(result, p, checkpoint=str(src), frontier=frontier),
+        lambda p: write_json(result, p, checkpoint=str(src), **frontiers),
     )
-    write_atomic(
-        output / "analyze.png", lambda p: write_plot(result, p, title=title, frontier=frontier)
-    )
+    write_atomic(output / "analyze.png", lambda p: write_plot(result, p, title=title, **frontiers))
     out.print_table(sweep_table(result, title))
     if frontier:
         out.print_table(frontier_table(frontier, f"{src.name}: budget frontier (auto form)"))
+    if output_frontier:
+        out.print_table(
+            frontier_table(output_frontier, f"{src.name}: budget frontier fit for the output error")
+        )
+    if result.calibration is not None:
+        console.print(f"calibration: {result.calibration['note']}", highlight=False)
     console.print(f"wrote {output}/analyze.csv, analyze.json, analyze.png", highlight=False)
 
 

@@ -36,6 +36,7 @@ from ._decompose import (
     row_scale,
 )
 from ._frontier import FrontierPoint, budget_frontier
+from ._output_analysis import OUTPUT_ERROR_DEFINITION, coverage_record
 from ._spectra import BUDGET_EXACT_MAX_DIM, DEFAULT_FORMS
 from ._svd import EXACT_MAX_DIM, LowRank, randomized_svd, truncated_svd
 from ._theta_checkpoint import decompose_checkpoint, rebuild_dense_state
@@ -83,7 +84,9 @@ __all__ = [
     "ModelReport",
     "SweepPoint",
     "SweepResult",
+    "OUTPUT_ERROR_DEFINITION",
     "analyze_checkpoint",
+    "coverage_record",
     "relative_error",
     "stored_parameters",
     "sweep",
