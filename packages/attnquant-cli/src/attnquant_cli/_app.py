@@ -75,6 +75,8 @@ SUMMARY_KEYS = (
     "error",
     "stored_parameters",
     "dense_parameters",
+    "quant",
+    "stored_bytes",
 )
 
 
@@ -185,11 +187,21 @@ def decompose(
             "compressed layers produce (SVD-LLM V2 / Basis Sharing). [default: on]",
         ),
     ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="Store each band's W0 in 4 bits: 'nvfp4' (NVIDIA Model Optimizer's layout, "
+            "4.5 bits a weight); s and the rank-r correction are fitted to what the 4-bit W0 "
+            "misses (whitened with --calibration). Needs every input dimension a multiple of 16; "
+            "--blocks then defaults to 'layers' (W0 = each layer's own weight)."
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
     json_summary: JsonFlag = False,
 ) -> None:
     """Decompose every projection family of CKPT into a theta checkpoint."""
     src = demo_model_path() if str(ckpt) == "demo" else ckpt
+    _check_quant_options(quant, budget=budget, calibration_data=calibration_data)
     check_calibration_options(
         calibration=calibration,
         calibration_data=calibration_data,
@@ -237,6 +249,7 @@ def decompose(
             overwrite=overwrite,
             quiet=json_summary,
             calibration=calibration,
+            quant=quant,
         )
         _print_json_summary(output, json_summary)
         return
@@ -271,8 +284,31 @@ def decompose(
             overwrite=overwrite,
             quiet=json_summary,
             aligned_from=src,
+            quant=quant,
         )
     _print_json_summary(output, json_summary)
+
+
+def _check_quant_options(
+    quant: str | None, *, budget: str | None, calibration_data: list[Path] | None
+) -> None:
+    """Refuse, in one line and before anything is written, a ``--quant`` that cannot be done."""
+    if quant is None:
+        return
+    from attnquant_core import QUANTS
+
+    if quant not in QUANTS:
+        raise DecompositionError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    if budget is not None:
+        raise DecompositionError(
+            "--quant with --budget: the budget fit does not count a 4-bit W0 yet; "
+            "give --blocks/--rank with --quant"
+        )
+    if calibration_data:
+        raise DecompositionError(
+            "--quant with --calibration-data: not supported yet; run `attnquant calibrate` "
+            "first and pass its statistics with --calibration"
+        )
 
 
 def _print_json_summary(output: Path, wanted: bool) -> None:
@@ -298,6 +334,9 @@ def _print_json_summary(output: Path, wanted: bool) -> None:
         "dense_parameters": dense,
         "families": families,
     }
+    if any("quant" in f for f in families.values()):
+        summary["stored_bytes"] = sum(_family_bytes(f)[0] for f in manifest["families"].values())
+        summary["dense_bytes"] = sum(_family_bytes(f)[1] for f in manifest["families"].values())
     if "budget" in manifest:
         summary["budget"] = manifest["budget"]
     if "calibration" in manifest:
@@ -322,6 +361,7 @@ def _decompose(
     quiet: bool = False,
     aligned_from: Path | None = None,
     calibration: Path | None = None,
+    quant: str | None = None,
 ) -> None:
     """Fit to ``budget``, or band every family with ``blocks``/``rank``; print the summary
     table on stdout (on stderr when ``quiet``: ``--json`` keeps stdout for the JSON).
@@ -342,33 +382,59 @@ def _decompose(
         manifest = decompose_checkpoint(
             src,
             output,
-            blocks="1" if blocks is None else blocks,
+            # A 4-bit band mean is a poor W0: with --quant, no --blocks means passthrough.
+            blocks=("layers" if quant else "1") if blocks is None else blocks,
             rank=16 if rank is None else rank,
             progress=_reporter(progress),
             overwrite=overwrite,
             aligned_from=aligned_from,
             calibration=calibration,
+            quant=quant,
         )
-    table = Table(title=f"{output}  (G={manifest['blocks']}, r={manifest['rank']})")
-    for col in ("family", "shape", "bands", "rank", "rel. error", "stored / dense"):
+    what = f"G={manifest['blocks']}, r={manifest['rank']}" + (f", W0 {quant}" if quant else "")
+    table = Table(title=f"{output}  ({what})")
+    columns = ["family", "shape", "bands", "rank", "rel. error", "stored / dense"]
+    if quant:  # parameters say little of a 4-bit W0: its bytes (4.5 bits a weight) say more
+        columns += ["stored bytes", "bytes / dense"]
+    for col in columns:
         table.add_column(col, justify="left" if col == "family" else "right")
-    total_stored = total_dense = 0
+    total_stored = total_dense = total_bytes = total_dense_bytes = 0
     for name, fam in manifest["families"].items():
         out_dim, in_dim = fam["shape"]
         stored, dense = fam["stored_parameters"], fam["dense_parameters"]
+        nbytes, dense_bytes = _family_bytes(fam)
         total_stored += stored
         total_dense += dense
-        table.add_row(
+        total_bytes += nbytes
+        total_dense_bytes += dense_bytes
+        row = [
             name,
             f"{out_dim}x{in_dim}",
             str(fam["blocks"]),
             str(fam["rank"]),
             f"{fam['error']:.4f}",
             f"{stored / dense:.3f}",
-        )
-    table.add_row("total", "", "", "", "", f"{total_stored / total_dense:.3f}", style="bold")
+        ]
+        if quant:
+            row += [f"{nbytes:,}", f"{nbytes / dense_bytes:.3f}"]
+        table.add_row(*row)
+    total = ["total", "", "", "", "", f"{total_stored / total_dense:.3f}"]
+    if quant:
+        total += [f"{total_bytes:,}", f"{total_bytes / total_dense_bytes:.3f}"]
+    table.add_row(*total, style="bold")
     (console if quiet else out).print_table(table)
     _say_calibrated(output)
+
+
+def _family_bytes(fam: dict) -> tuple[int, int]:
+    """A family's stored bytes (its manifest's ``stored_bytes`` when it records them, else its
+    parameters at its dtype) and its dense bytes at the source dtype."""
+    from attnquant_core import dtype_from_name
+
+    size = dtype_from_name(fam["dtype"]).itemsize
+    source = dtype_from_name(fam.get("source_dtype", fam["dtype"])).itemsize
+    stored = fam.get("stored_bytes", fam["stored_parameters"] * size)
+    return int(stored), int(fam["dense_parameters"] * source)
 
 
 def _say_calibrated(output: Path) -> None:

@@ -9,10 +9,11 @@ from typing import Literal
 import numpy as np
 
 from .._errors import DecompositionError
-from ..forms._banded import FamilyTheta, LayerTheta
+from ..forms._banded import QUANTS, FamilyTheta, LayerTheta
 from ..forms._bands import band_of_layers, band_sizes, resolve_blocks
 from ..forms._identity import compute_dtype
 from ..forms._measure import FamilyErrors
+from ..forms._nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from ._svd import EXACT_MAX_DIM, truncated_svd
 
 __all__ = [
@@ -20,8 +21,10 @@ __all__ = [
     "DecomposeProgress",
     "LayerFit",
     "SVDOptions",
+    "check_quant",
     "decompose_family",
     "fit_layer",
+    "quantized_band",
     "row_scale",
 ]
 
@@ -163,6 +166,27 @@ def fit_layer(
     return LayerFit(LayerTheta(s=s, U=U, V=V), error, norm, low.S[:rank])
 
 
+def check_quant(name: str, shape: tuple[int, ...], quant: str | None) -> None:
+    """Refuse an unknown ``quant`` or a family NVFP4 cannot hold (``in`` not a multiple of 16)."""
+    if quant is None:
+        return
+    if quant not in QUANTS:
+        raise DecompositionError(
+            f"quant={quant!r} is not a W0 quantization; choose one of {', '.join(QUANTS)}"
+        )
+    if shape[1] % BLOCK_SIZE:
+        raise DecompositionError(
+            f"{name}: in={shape[1]} (weights {list(shape)}) is not a multiple of {BLOCK_SIZE}; "
+            f"an NVFP4 W0 needs whole {BLOCK_SIZE}-input blocks"
+        )
+
+
+def quantized_band(mean: np.ndarray, name: str) -> tuple[NVFP4Tensor, np.ndarray]:
+    """A band's ``W0`` in NVFP4 and its float32 dequantization (what ``s``, ``U``, ``V`` fit)."""
+    q = quantize_nvfp4(mean, name=name)
+    return q, dequantize_nvfp4(q)
+
+
 def band_mean(weights: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
     """Mean of a band's weights, accumulated in the compute dtype, rounded to ``dtype``."""
     cdt = compute_dtype(np.result_type(weights[0].dtype, dtype))
@@ -181,6 +205,7 @@ def decompose_family(
     name: str = "family",
     dtype: np.dtype | type | None = None,
     svd: SVDOptions = SVDOptions(),
+    quant: str | None = None,
 ) -> tuple[FamilyTheta, FamilyErrors]:
     """Decompose one family held in memory into a :class:`FamilyTheta`.
 
@@ -194,6 +219,10 @@ def decompose_family(
         Rank of the per-layer correction.
     dtype : dtype, optional
         Storage dtype of the bundle; defaults to the weights' dtype.
+    quant : "nvfp4", optional
+        Store each band's ``W0`` (the band mean, in float32) in NVFP4; ``s`` and the correction
+        are fitted against its dequantization, so at passthrough the correction is the truncated
+        SVD of the quantization error (LQER). Needs ``in`` a multiple of 16.
 
     Returns
     -------
@@ -204,12 +233,18 @@ def decompose_family(
     shape = check_family_weights(name, weights)
     dtype = np.dtype(dtype or weights[0].dtype)
     rank = check_rank(name, shape, rank)
+    check_quant(name, shape, quant)
     G = resolve_blocks(blocks, len(weights))
     bands = band_of_layers(len(weights), G)
-    shared, layers, errors, norms = [], [], [], []
+    shared, layers, errors, norms, packed = [], [], [], [], []
     start = 0
     for b, size in enumerate(band_sizes(len(weights), G)):
-        W0 = band_mean(weights[start : start + size], dtype)
+        if quant is None:
+            W0 = band_mean(weights[start : start + size], dtype)
+        else:
+            mean = band_mean(weights[start : start + size], np.dtype(np.float32))
+            q, W0 = quantized_band(mean, f"{name} band {b}")
+            packed.append(q)
         shared.append(W0)
         for layer in range(start, start + size):
             fit = fit_layer(weights[layer], W0, rank, dtype=dtype, svd=svd, seed=(b, layer))
@@ -217,5 +252,11 @@ def decompose_family(
             errors.append(fit.error)
             norms.append(fit.norm)
         start += size
-    theta = FamilyTheta(name=name, shared=tuple(shared), bands=tuple(bands), layers=tuple(layers))
+    theta = FamilyTheta(
+        name=name,
+        shared=tuple(shared),
+        bands=tuple(bands),
+        layers=tuple(layers),
+        nvfp4=tuple(packed) if quant is not None else None,
+    )
     return theta, FamilyErrors(errors, norms)

@@ -1,4 +1,9 @@
-"""The banded form: a shared ``W0`` per band of layers, a row scale and a correction per layer."""
+"""The banded form: a shared ``W0`` per band of layers, a row scale and a correction per layer.
+
+``W0`` may be stored quantized to NVFP4 (``nvfp4``): ``W ~ diag(s) Q(W0) + U V^T``, the
+identity evaluated on the dequantized ``W0`` in float32 (LQER / QERA / EoRA at passthrough:
+NVFP4 plus a low-rank correction of its quantization error).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,12 @@ import numpy as np
 
 from .._errors import ThetaFormatError
 from ._identity import apply, reconstruct
+from ._nvfp4 import NVFP4Tensor, dequantize_nvfp4
 
-__all__ = ["FamilyTheta", "LayerTheta"]
+__all__ = ["QUANTS", "FamilyTheta", "LayerTheta"]
+
+#: The quantizations a banded family's ``W0`` may be stored in (``"quant"`` in attnquant.json).
+QUANTS: tuple[str, ...] = ("nvfp4",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +54,10 @@ class FamilyTheta:
 
     The ``"banded"`` form. ``bands[l]`` is the band of layer ``l``; bands are contiguous and
     cover ``0..G-1``. Layers may have different correction ranks (format version 2).
+
+    ``nvfp4``, when given, holds each band's ``W0`` in NVFP4 (format version 4) and ``shared``
+    is its dequantization (float32, what the identity uses); build such a family with
+    :meth:`from_nvfp4`, which dequantizes for you.
     """
 
     form: ClassVar[str] = "banded"
@@ -54,9 +67,34 @@ class FamilyTheta:
     shared: tuple[np.ndarray, ...]
     bands: tuple[int, ...]
     layers: tuple[LayerTheta, ...]
+    nvfp4: tuple[NVFP4Tensor, ...] | None = None
+
+    @classmethod
+    def from_nvfp4(
+        cls,
+        *,
+        name: str,
+        nvfp4: tuple[NVFP4Tensor, ...],
+        bands: tuple[int, ...],
+        layers: tuple[LayerTheta, ...],
+    ) -> FamilyTheta:
+        """A family whose ``W0`` blocks are ``nvfp4``; ``shared`` is their float32 dequantization."""
+        nvfp4 = tuple(nvfp4)
+        shared = tuple(dequantize_nvfp4(q) for q in nvfp4)
+        return cls(name=name, shared=shared, bands=bands, layers=layers, nvfp4=nvfp4)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared", tuple(self.shared))
+        if self.nvfp4 is not None:
+            object.__setattr__(self, "nvfp4", tuple(self.nvfp4))
+            if len(self.nvfp4) != len(self.shared) or any(
+                q.shape != W0.shape or W0.dtype != np.float32
+                for q, W0 in zip(self.nvfp4, self.shared, strict=True)
+            ):
+                raise ThetaFormatError(
+                    f"{self.name}: nvfp4 must hold one NVFP4 W0 per band whose float32 "
+                    f"dequantization is shared; got {len(self.nvfp4)} for {len(self.shared)} bands"
+                )
         object.__setattr__(self, "bands", tuple(int(b) for b in self.bands))
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.shared:
@@ -114,15 +152,29 @@ class FamilyTheta:
         return tuple(t.rank for t in self.layers)
 
     @property
+    def quant(self) -> str | None:
+        """How ``W0`` is stored: ``"nvfp4"``, or ``None`` (in :attr:`dtype`, like the rest)."""
+        return None if self.nvfp4 is None else "nvfp4"
+
+    @property
     def dtype(self) -> np.dtype:
-        """The storage dtype (of the first shared block)."""
-        return self.shared[0].dtype
+        """The storage dtype (of the first shared block; of ``s`` when ``W0`` is quantized)."""
+        return self.shared[0].dtype if self.nvfp4 is None else self.layers[0].s.dtype
 
     def arrays(self) -> Iterator[np.ndarray]:
-        """Every stored array: the shared blocks, then ``s``, ``U``, ``V`` of each layer."""
-        yield from self.shared
+        """Every array stored in :attr:`dtype`: the shared blocks (unless quantized), then
+        ``s``, ``U``, ``V`` of each layer."""
+        if self.nvfp4 is None:
+            yield from self.shared
         for t in self.layers:
             yield from (t.s, t.U, t.V)
+
+    def stored_bytes(self) -> int:
+        """Bytes stored: each ``W0`` (4.5 bits a weight plus 4 when in NVFP4), ``s``, ``U``, ``V``."""
+        shared = self.nvfp4 if self.nvfp4 is not None else self.shared
+        return sum(int(a.nbytes) for a in shared) + sum(
+            int(t.s.nbytes + t.U.nbytes + t.V.nbytes) for t in self.layers
+        )
 
     def factors(
         self, layer: int

@@ -131,6 +131,10 @@ class LowRankFamily:
         """Numbers stored: ``U`` and ``V`` of every layer."""
         return sum(int(U.size + V.size) for U, V in zip(self.U, self.V, strict=True))
 
+    def stored_bytes(self) -> int:
+        """Bytes of every stored array."""
+        return sum(int(a.nbytes) for a in self.arrays())
+
     def dense_parameters(self) -> int:
         """Numbers the dense family stores (``L * out * in``)."""
         out_dim, in_dim = self.shape
@@ -247,6 +251,10 @@ class SharedBasisFamily:
     def stored_parameters(self) -> int:
         """Numbers stored: every basis once, plus each layer's coefficients."""
         return sum(int(B.size) for B in self.bases) + sum(int(C.size) for C in self.coefs)
+
+    def stored_bytes(self) -> int:
+        """Bytes of every stored array."""
+        return sum(int(a.nbytes) for a in self.arrays())
 
     def dense_parameters(self) -> int:
         """Numbers the dense family stores (``L * out * in``)."""

@@ -26,6 +26,21 @@ whose entry adds ``"family"`` (the projection, as in its per-layer keys), ``"gro
 a model-wide ``G`` records it as ``"model_blocks"``. A uniform model's checkpoint is written
 as version 2, byte for byte as before; readers of version 2 refuse version 3 as newer.
 
+Version 4 (written only for checkpoints with a quantized ``W0``) adds ``"quant": "nvfp4"`` to
+a banded family's entry (and ``"stored_bytes"``, what its tensors take): each band's ``W0`` is
+stored in NVIDIA Model Optimizer's NVFP4 layout instead of ``attnquant.shared.<family>.<band>.W0``:
+
+* ``attnquant.shared.<family>.<band>.W0_packed`` uint8 ``[out, in/2]``: the 4-bit E2M1 codes,
+  the even input of each pair in the low nibble;
+* ``attnquant.shared.<family>.<band>.W0_scale`` float8_e4m3fn ``[out, in/16]``: one scale per
+  16 consecutive inputs;
+* ``attnquant.shared.<family>.<band>.W0_scale_2`` float32 ``[]``: the per-tensor scale;
+
+so ``W0[o, i] = E2M1[code[o, i]] * float(W0_scale[o, i // 16]) * W0_scale_2`` (``in`` a
+multiple of 16); ``s``, ``U``, ``V`` are as in version 2, fitted against that dequantized
+``W0``. Checkpoints without a quantized family are still written as version 2 or 3, byte for
+byte as before; readers of version 3 refuse version 4 as newer.
+
 Version 1 checkpoints (every family banded, one rank) are still read.
 """
 
@@ -43,9 +58,11 @@ from .._errors import (
     ThetaFormatError,
 )
 from .._version import __version__
+from ..forms._banded import QUANTS
 from ..forms._factored import SIDES
 from ..forms._measure import pooled_error
 from ..forms._model import FORMS
+from ..forms._nvfp4 import BLOCK_SIZE
 from ._checkpoint import FAMILIES
 from ._safetensors import (
     dtype_name,
@@ -54,13 +71,17 @@ from ._safetensors import (
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "GROUPED_FORMAT_VERSION",
     "MANIFEST_FILE",
+    "NVFP4_PARTS",
     "UNIFORM_FORMAT_VERSION",
     "basis_key",
     "check_manifest",
     "dense_key",
     "family_entry",
     "is_theta_checkpoint",
+    "nvfp4_bytes",
+    "nvfp4_key",
     "read_json_manifest",
     "shared_key",
     "stored_of",
@@ -73,8 +94,11 @@ __all__ = [
 FORMAT_NAME = "attnquant-theta"
 
 
-#: The newest format version this attnquant reads and writes (3: grouped families).
-FORMAT_VERSION = 3
+#: The newest format version this attnquant reads and writes (4: a quantized ``W0``).
+FORMAT_VERSION = 4
+
+#: The version written when a family is grouped (layers of more than one shape) and none quantized.
+GROUPED_FORMAT_VERSION = 3
 
 #: The version written when no family is grouped (every layer of a family one shape).
 UNIFORM_FORMAT_VERSION = 2
@@ -94,6 +118,21 @@ def theta_key(stack: str, layer: int, family: str, part: str) -> str:
 def shared_key(family: str, band: int) -> str:
     """``attnquant.shared.self_attn.q_proj.0.W0``."""
     return f"attnquant.shared.{family}.{band}.W0"
+
+
+#: The tensors of an NVFP4 ``W0``, by the suffix of their key (``...W0_packed``).
+NVFP4_PARTS: tuple[str, ...] = ("packed", "scale", "scale_2")
+
+
+def nvfp4_key(family: str, band: int, part: str) -> str:
+    """``attnquant.shared.self_attn.q_proj.0.W0_packed`` for ``part`` in :data:`NVFP4_PARTS`."""
+    return f"attnquant.shared.{family}.{band}.W0_{part}"
+
+
+def nvfp4_bytes(shape: Sequence[int]) -> int:
+    """Bytes of one NVFP4 ``W0`` ``[out, in]``: 4 bits a weight, one E4M3 per 16, the global scale."""
+    out_dim, in_dim = (int(d) for d in shape)
+    return out_dim * in_dim // 2 + out_dim * (in_dim // BLOCK_SIZE) + 4
 
 
 def basis_key(family: str, band: int) -> str:
@@ -189,9 +228,17 @@ def theta_manifest(
     Gs = {f.get("model_blocks") if "layers" in f else max(f["bands"]) + 1 for f in banded}
     blocks = Gs.pop() if len(Gs) == 1 else None
     grouped = any("layers" in f for f in families.values())
+    quantized = any(f.get("quant") for f in families.values())
+    version = (
+        FORMAT_VERSION
+        if quantized
+        else GROUPED_FORMAT_VERSION
+        if grouped
+        else UNIFORM_FORMAT_VERSION
+    )
     manifest = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION if grouped else UNIFORM_FORMAT_VERSION,
+        "format_version": version,
         "writer": f"attnquant-core {__version__}",
         # The G every banded family shares (what ATTNQUANT_BLOCKS is checked against); null
         # when no family is banded or they disagree.
@@ -284,6 +331,23 @@ def check_manifest(where: Path, m: object) -> dict:
                 f"{where}: family {name} has form {form!r}, which this version cannot read"
             )
         _int_list(where, name, "shape", fam["shape"], 2)
+        quant = fam.get("quant")
+        if quant is not None:
+            if version < FORMAT_VERSION:
+                raise ThetaFormatError(
+                    f"{where}: family {name} has 'quant', which format version {version} "
+                    f"does not have"
+                )
+            if quant not in QUANTS or form != "banded":
+                raise ThetaFormatError(
+                    f"{where}: family {name} ({form}) has quant {quant!r}; this attnquant reads "
+                    f"{', '.join(map(repr, QUANTS))} on banded families only"
+                )
+            if fam["shape"][1] % BLOCK_SIZE:
+                raise ThetaFormatError(
+                    f"{where}: family {name} has quant {quant!r} with in={fam['shape'][1]}, "
+                    f"which is not a multiple of {BLOCK_SIZE}"
+                )
         n = L
         if "layers" in fam:  # a grouped family (version 3)
             if version < 3:

@@ -19,6 +19,7 @@ from ..forms._bands import band_of_layers, group_blocks, resolve_blocks
 from ..forms._factored import LowRankFamily, SharedBasisFamily
 from ..forms._identity import reconstruct
 from ..forms._model import ThetaFamily, ThetaModel
+from ..forms._nvfp4 import NVFP4Error, NVFP4Tensor, dequantize_nvfp4
 from ._checkpoint import (
     FAMILIES,
     check_config_dims,
@@ -28,9 +29,11 @@ from ._checkpoint import (
 from ._manifest import (
     BLOCKS_HINT,
     MANIFEST_FILE,
+    NVFP4_PARTS,
     basis_key,
     check_manifest,
     dense_key,
+    nvfp4_key,
     read_json_manifest,
     shared_key,
     theta_key,
@@ -130,6 +133,10 @@ class ThetaCheckpoint:
         for name, fam in self.families.items():
             form = fam["form"]
             L = len(fam.get("layers", range(self.num_layers)))
+            # A quantized W0's keys that are missing or misshapen are a format problem, not bands.
+            keys_problems = (
+                band_problems if form == "banded" and not fam.get("quant") else other_problems
+            )
             problems = band_problems if form == "banded" else other_problems
             bands = None
             if form != "lowrank":
@@ -176,6 +183,7 @@ class ThetaCheckpoint:
                 side=fam["side"],
                 layers=fam.get("layers"),
                 family=fam.get("family"),
+                quant=fam.get("quant"),
             )
             bad_layers: dict[int, list[str]] = {}
             for key, (spec, layers) in want.items():
@@ -188,7 +196,7 @@ class ThetaCheckpoint:
                 for layer in layers:
                     bad_layers.setdefault(layer, []).append(msg)
             for layer in sorted(bad_layers):
-                problems.append(f"{name} layer {layer}: " + "; ".join(bad_layers[layer]))
+                keys_problems.append(f"{name} layer {layer}: " + "; ".join(bad_layers[layer]))
         stray = sorted(
             k
             for k in self.tensors.keys()
@@ -291,10 +299,37 @@ class ThetaCheckpoint:
             )
         return fam
 
+    def quant(self, family: str) -> str | None:
+        """How ``family`` stores its ``W0``: ``"nvfp4"`` (format version 4) or ``None``."""
+        return self._entry(family).get("quant")
+
     def shared(self, family: str, band: int) -> np.ndarray:
-        """The stored ``W0`` of one band of a banded family."""
-        self._entry(family, "banded")
+        """The ``W0`` of one band of a banded family (dequantized, float32, if in NVFP4)."""
+        if self._entry(family, "banded").get("quant"):
+            return self._dequantized(family, band)[1]
         return self.tensors.get(shared_key(family, band))
+
+    def _dequantized(self, family: str, band: int) -> tuple[NVFP4Tensor, np.ndarray]:
+        q = self.nvfp4(family, band)
+        W0 = dequantize_nvfp4(q)
+        if not np.isfinite(W0).all():
+            raise ThetaFormatError(
+                f"{self.path}: {nvfp4_key(family, band, 'scale')} holds NaN/Inf scales "
+                f"(the NVFP4 W0 of {family} band {band} does not dequantize to finite values)"
+            )
+        return q, W0
+
+    def nvfp4(self, family: str, band: int) -> NVFP4Tensor:
+        """The stored NVFP4 ``W0`` of one band of a family with ``quant="nvfp4"``."""
+        if self._entry(family, "banded").get("quant") != "nvfp4":
+            raise ThetaFormatError(f"{self.path}: family {family} does not store W0 in NVFP4")
+        weight, scale, scale_2 = (
+            self.tensors.get(nvfp4_key(family, band, part)) for part in NVFP4_PARTS
+        )
+        try:
+            return NVFP4Tensor(weight=weight, weight_scale=scale, weight_scale_2=scale_2)
+        except NVFP4Error as exc:
+            raise ThetaFormatError(f"{self.path}: {family} band {band}: {exc}") from exc
 
     def basis(self, family: str, band: int) -> np.ndarray:
         """The stored basis of one band of a shared-basis family."""
@@ -327,7 +362,7 @@ class ThetaCheckpoint:
             return None, None, get(key("U")), get(key("V"))
         band = fam["bands"][self.layers_of(family).index(layer)]
         if form == "banded":
-            W0 = shared if shared is not None else get(shared_key(family, band))
+            W0 = shared if shared is not None else self.shared(family, band)
             return get(key("s")), W0, get(key("U")), get(key("V"))
         B = shared if shared is not None else get(basis_key(family, band))
         if fam["side"] == "in":
@@ -341,6 +376,17 @@ class ThetaCheckpoint:
         reads every form.
         """
         fam = self._entry(family, "banded")
+        if fam.get("quant"):
+            qs, W0s = zip(
+                *(self._dequantized(family, b) for b in range(max(fam["bands"]) + 1)), strict=True
+            )
+            return FamilyTheta(
+                name=family,
+                shared=W0s,
+                bands=tuple(fam["bands"]),
+                layers=tuple(self.layer(family, i) for i in self.layers_of(family)),
+                nvfp4=qs,
+            )
         return FamilyTheta(
             name=family,
             shared=tuple(self.shared(family, b) for b in range(max(fam["bands"]) + 1)),
@@ -417,7 +463,9 @@ class ThetaCheckpoint:
             for i, layer in enumerate(self.layers_of(name)):
                 if fam["form"] != "lowrank" and fam["bands"][i] != band:
                     band = fam["bands"][i]  # consecutive layers of a band share one tensor
-                    key = shared_key if fam["form"] == "banded" else basis_key
-                    held = self.tensors.get(key(name, band))
+                    if fam["form"] == "banded":
+                        held = self.shared(name, band)
+                    else:
+                        held = self.tensors.get(basis_key(name, band))
                 W = reconstruct(*self.factors(name, layer, shared=held)).astype(dtype)
                 yield dense_key(self.stack, layer, projection), W

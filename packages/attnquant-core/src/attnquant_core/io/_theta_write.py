@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from .._errors import (
@@ -24,8 +25,10 @@ from ._checkpoint import (
     Checkpoint,
 )
 from ._manifest import (
+    NVFP4_PARTS,
     basis_key,
     family_entry,
+    nvfp4_key,
     shared_key,
     theta_key,
     theta_manifest,
@@ -40,6 +43,7 @@ __all__ = [
     "copied_specs",
     "family_specs",
     "family_tensors",
+    "nvfp4_specs",
     "plain_specs",
     "save_theta",
     "source_digest",
@@ -59,8 +63,12 @@ def family_specs(
     side: str | None = None,
     layers: Sequence[int] | None = None,
     family: str | None = None,
+    quant: str | None = None,
 ) -> dict[str, tuple[TensorSpec, tuple[int, ...]]]:
     """Every tensor a family of ``form`` stores: key -> (spec, the layers that read it).
+
+    ``quant="nvfp4"`` (banded only): each band's ``W0`` is the three NVFP4 tensors of
+    :func:`nvfp4_specs` instead of one ``[out, in]`` tensor in ``dtype``.
 
     ``ranks`` and ``bands`` are per layer of the family; for a grouped family (see
     :class:`attnquant_core.io.FamilyInfo`) ``layers`` are the decoder layers it covers and
@@ -83,7 +91,11 @@ def family_specs(
     if form == "banded":
         assert bands is not None
         for b in range(max(bands) + 1):
-            specs[shared_key(name, b)] = (TensorSpec(dtype, (out_dim, in_dim)), members(b))
+            if quant is None:
+                specs[shared_key(name, b)] = (TensorSpec(dtype, (out_dim, in_dim)), members(b))
+            else:
+                for key_b, spec in nvfp4_specs(name, b, shape).items():
+                    specs[key_b] = (spec, members(b))
         for layer, r in enumerate(ranks):
             specs[key(layer, "s")] = (TensorSpec(dtype, (out_dim,)), (at[layer],))
             specs[key(layer, "U")] = (TensorSpec(dtype, (out_dim, r)), (at[layer],))
@@ -107,6 +119,17 @@ def family_specs(
     return specs
 
 
+def nvfp4_specs(name: str, band: int, shape: tuple[int, int]) -> dict[str, TensorSpec]:
+    """The keys and specs of one band's NVFP4 ``W0`` ``[out, in]`` (``in`` a multiple of 16)."""
+    out_dim, in_dim = shape
+    dtypes = (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.float32))
+    shapes = ((out_dim, in_dim // 2), (out_dim, in_dim // 16), ())
+    return {
+        nvfp4_key(name, band, part): TensorSpec(dt, sh)
+        for part, dt, sh in zip(NVFP4_PARTS, dtypes, shapes, strict=True)
+    }
+
+
 def plain_specs(specs: Mapping[str, tuple[TensorSpec, tuple[int, ...]]]) -> dict[str, TensorSpec]:
     return {k: v[0] for k, v in specs.items()}
 
@@ -119,9 +142,15 @@ def family_tensors(
     ``name`` is the family's key in the checkpoint (default: ``fam.name``).
     """
     name = fam.name if name is None else name
-    if isinstance(fam, FamilyTheta):
+    if isinstance(fam, FamilyTheta) and fam.nvfp4 is not None:
+        for b, q in enumerate(fam.nvfp4):
+            parts = (q.weight, q.weight_scale, q.weight_scale_2)
+            for part, array in zip(NVFP4_PARTS, parts, strict=True):
+                yield nvfp4_key(name, b, part), array
+    elif isinstance(fam, FamilyTheta):
         for b, W0 in enumerate(fam.shared):
             yield shared_key(name, b), W0
+    if isinstance(fam, FamilyTheta):
         for layer, t in enumerate(fam.layers):
             for part in ("s", "U", "V"):
                 yield theta_key(stack, layer, name, part), getattr(t, part)
@@ -201,10 +230,13 @@ def save_theta(
                     ranks=fam.ranks,
                     bands=fam.bands,
                     side=fam.side,
+                    quant=getattr(fam, "quant", None),
                 )
             )
         )
         errs = errors.get(name) if errors else None
+        quant = getattr(fam, "quant", None)
+        quantized = {} if quant is None else {"quant": quant, "stored_bytes": fam.stored_bytes()}
         families[name] = family_entry(
             form=fam.form,
             shape=fam.shape,
@@ -216,6 +248,7 @@ def save_theta(
             stored=fam.stored_parameters(),
             errors=errs.errors if errs else None,
             norms=errs.norms if errs else None,
+            **quantized,
             **dict((notes or {}).get(name, {})),
         )
     with atomic_directory(Path(out), overwrite) as tmp:

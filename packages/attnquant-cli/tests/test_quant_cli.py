@@ -1,0 +1,106 @@
+"""``attnquant decompose --quant nvfp4``: a 4-bit ``W0`` with a low-rank correction (format v4)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from attnquant_cli import cli
+from attnquant_core import ThetaCheckpoint, dequantize_nvfp4, open_checkpoint, quantize_nvfp4
+from attnquant_core.testing import make_weights, write_checkpoint
+
+#: attnquant_core.testing's families with every input dimension a multiple of 16.
+SHAPES16 = {
+    "self_attn.q_proj": (32, 32),
+    "self_attn.k_proj": (16, 32),
+    "self_attn.v_proj": (16, 32),
+    "self_attn.o_proj": (32, 32),
+    "mlp.gate_proj": (48, 32),
+    "mlp.up_proj": (48, 32),
+    "mlp.down_proj": (32, 48),
+}
+
+
+@pytest.fixture
+def src(tmp_path):
+    return write_checkpoint(tmp_path / "src", make_weights(3, shapes=SHAPES16))
+
+
+def test_quant_decompose_is_passthrough_by_default_and_counts_bytes(src, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert cli(["decompose", str(src), "-o", str(out), "--quant", "nvfp4", "--rank", "4"]) == 0
+    table = " ".join(capsys.readouterr().out.split())
+    assert "(G=3, r=4, W0 nvfp4)" in table
+    assert "stored bytes" in table and "bytes / dense" in table
+    ckpt = ThetaCheckpoint.open(out, blocks="layers")
+    assert ckpt.format_version == 4 and ckpt.passthrough
+    dense = open_checkpoint(src)
+    info = dense.families["mlp.up_proj"]
+    for layer, key in enumerate(info.keys):
+        W = dense.get(key)
+        # W0 is the layer's own weight in NVFP4, bit for bit the reference's
+        assert np.array_equal(
+            ckpt.shared("mlp.up_proj", layer), dequantize_nvfp4(quantize_nvfp4(W))
+        )
+    # 48x32 at 4.5 bits a weight plus the scale, and s, U, V in float32, per layer
+    per_layer = 48 * 32 // 2 + 48 * 2 + 4 + (48 + 4 * (48 + 32)) * 4
+    assert f"{3 * per_layer:,}" in table
+    assert ckpt.families["mlp.up_proj"]["stored_bytes"] == 3 * per_layer
+
+
+def test_quant_json_summary_has_the_bytes(src, tmp_path, capsys):
+    out = tmp_path / "q"
+    argv = ["decompose", str(src), "-o", str(out), "--quant", "nvfp4", "--rank", "0", "--json"]
+    assert cli(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["dense_bytes"] == 4 * got["dense_parameters"]
+    assert got["stored_bytes"] == sum(f["stored_bytes"] for f in got["families"].values())
+    assert all(f["quant"] == "nvfp4" for f in got["families"].values())
+    # rank 0: 4.5 bits a weight, one float32 s per row and 4 bytes of global scale per layer
+    want = sum(3 * (o * i // 2 + o * i // 16 + 4 + 4 * o) for o, i in SHAPES16.values())
+    assert got["stored_bytes"] == want
+
+
+def test_quant_with_blocks_and_calibration(src, tmp_path, capsys):
+    from attnquant_core.calib import write_stats
+
+    dense = open_checkpoint(src)
+    rng = np.random.default_rng(0)
+    grams = {}
+    for info in dense.families.values():
+        for key in info.keys:
+            X = rng.standard_normal((info.shape[1], 64))
+            grams[key] = X @ X.T
+    stats = write_stats(tmp_path / "s.safetensors", grams, tokens=64)
+    out = tmp_path / "q"
+    argv = ["decompose", str(src), "-o", str(out), "--quant", "nvfp4", "--blocks", "1"]
+    assert cli([*argv, "--rank", "2", "--calibration", str(stats)]) == 0
+    assert "fit for the output error over 64 calibration tokens" in capsys.readouterr().err
+    ckpt = ThetaCheckpoint.open(out)
+    assert ckpt.blocks == 1 and ckpt.quant("mlp.up_proj") == "nvfp4"
+    assert "calibration" in ckpt.manifest
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--quant", "int4"], "--quant 'int4': choose one of nvfp4"),
+        (["--quant", "nvfp4", "--budget", "0.5"], "--quant with --budget"),
+        (["--quant", "nvfp4", "--calibration-data", "x.txt"], "--quant with --calibration-data"),
+    ],
+)
+def test_quant_refusals_are_one_line_and_write_nothing(src, tmp_path, capsys, extra, message):
+    assert cli(["decompose", str(src), "-o", str(tmp_path / "t"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "t").exists()
+
+
+def test_inner_dimension_not_a_multiple_of_16_is_refused(tmp_path, capsys):
+    src = write_checkpoint(tmp_path / "src", make_weights(2))  # hidden 24
+    assert cli(["decompose", str(src), "-o", str(tmp_path / "t"), "--quant", "nvfp4"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "in=24" in err and "not a multiple of 16" in err
+    assert not (tmp_path / "t").exists()
