@@ -62,3 +62,4 @@ def test_gpu_kernels_compile_for(accelerator: str, suffix: str, tmp_path: Path):
     # float32 and bfloat16; projections: x and the float32 intermediate of the MLP
     assert sum("_theta_kernel" in k for k in kernels) >= 6, kernels
     assert sum("_project_kernel" in k for k in kernels) >= 3, kernels
+    assert sum("_nvfp4_kernel" in k for k in kernels) >= 2, kernels  # float32 and bfloat16

@@ -6,6 +6,7 @@ or any graph created under ``max.graph.default_custom_extensions_scope(kernels_p
     y = generated_linear(x, W0, s, U, V)                      # [M, N], dtype of x
     y = generated_mlp(x, (W0_g, s_g, U_g, V_g), (W0_u, s_u, U_u, V_u),
                       (W0_d, s_d, U_d, V_d), activation="silu")  # [M, H]
+    y = generated_linear_nvfp4(x, weight, weight_scale, weight_scale_2, s, U, V)  # [M, N]
 
 ``x`` is ``[M, K]`` (fold leading dimensions into ``M`` first); every tensor has the dtype of
 ``x`` (float32 or bfloat16) and lives on its device. Rank 0: pass ``U = V = None`` and the
@@ -24,7 +25,7 @@ from max.graph import Dim, StaticDim, TensorType, TensorValue, TensorValueLike, 
 
 from ._locate import check_rank, kernels_path
 
-__all__ = ["ACTIVATIONS", "generated_linear", "generated_mlp"]
+__all__ = ["ACTIVATIONS", "generated_linear", "generated_linear_nvfp4", "generated_mlp"]
 
 #: Activation names accepted by :func:`generated_mlp`, and the kernel parameter each maps to
 #: (Hugging Face ``hidden_act`` spellings included).
@@ -63,12 +64,16 @@ def _operands(
     op: str,
     what: str,
     in_dim: Dim,
+    w0_dtype: bool = True,
 ) -> list[TensorValue]:
-    """``[W0, s, U, V]`` checked against ``x``; zero-size ``U``/``V`` for rank 0."""
+    """``[W0, s, U, V]`` checked against ``x``; zero-size ``U``/``V`` for rank 0.
+
+    ``w0_dtype=False``: ``W0`` is packed (NVFP4) and checked by the caller, not here.
+    """
     W0, s, U, V = TensorValue(W0), TensorValue(s), _value(U), _value(V)
     name = f"{op} ({what})" if what else op
     for label, t in (("W0", W0), ("s", s), ("U", U), ("V", V)):
-        if t is None:
+        if t is None or (label == "W0" and not w0_dtype):
             continue
         if t.dtype != x.dtype:
             raise TypeError(
@@ -204,4 +209,95 @@ def generated_mlp(
         values=[x, *parts],
         out_types=[out],
         parameters={"activation": ACTIVATIONS[activation]},
+    )
+
+
+def generated_linear_nvfp4(
+    x: TensorValueLike,
+    weight: TensorValueLike,
+    weight_scale: TensorValueLike,
+    weight_scale_2: TensorValueLike,
+    s: TensorValueLike | None = None,
+    U: TensorValueLike | None = None,
+    V: TensorValueLike | None = None,
+) -> TensorValue:
+    """``y = s * (x @ W^T) + (x @ V) @ U^T`` with ``W`` held as NVFP4, one dispatch.
+
+    ``W[n, k] = E2M1[code[n, k]] * E4M3(weight_scale[n, k // 16]) * weight_scale_2`` (Model
+    Optimizer's layout) is decoded inside the kernel's dot product and never written out as
+    floats, so a decode step reads 4.5 bits per weight instead of 32.
+
+    Parameters
+    ----------
+    x : TensorValue
+        ``[M, K]``, float32 or bfloat16; ``K`` a multiple of 16.
+    weight : TensorValue or Weight
+        uint8 ``[N, K/2]``: two E2M1 codes per byte, the even input in the low nibble.
+    weight_scale : TensorValue or Weight
+        uint8 ``[N, K/16]``: the float8_e4m3fn bytes of the block scales (float8 tensors do
+        not compile on MAX's CPU target, so they travel as bytes).
+    weight_scale_2 : TensorValue or Weight
+        float32 ``[1]`` (or a scalar): the per-tensor scale.
+    s : TensorValue or Weight, optional
+        ``[N]``, dtype of ``x``: per-output-row scale of a theta projection; ones when omitted.
+    U, V : TensorValue or Weight, optional
+        ``[N, r]``, ``[K, r]``, dtype of ``x``; ``U = V = None`` for rank 0.
+
+    Returns
+    -------
+    TensorValue
+        ``[M, N]``, dtype of ``x``.
+
+    Raises
+    ------
+    RankError
+        ``r > 64`` (static).
+    TypeError, ValueError
+        A dtype or a static shape that does not fit the layout, in one line.
+    """
+    op = "generated_linear_nvfp4"
+    x = TensorValue(x)
+    _check_x(x, op)
+    weight, weight_scale = TensorValue(weight), TensorValue(weight_scale)
+    weight_scale_2 = TensorValue(weight_scale_2)
+    for label, t, dtype in (
+        ("weight", weight, DType.uint8),
+        ("weight_scale", weight_scale, DType.uint8),
+        ("weight_scale_2", weight_scale_2, DType.float32),
+    ):
+        if t.dtype != dtype:
+            raise TypeError(f"{op}: {label} is {t.dtype.name}, expected {dtype.name}")
+        if t.device != x.device:
+            raise ValueError(f"{op}: {label} is on {t.device}, x on {x.device}")
+    if weight.rank != 2 or weight_scale.rank != 2:
+        raise ValueError(
+            f"{op}: weight must be [out, in/2] and weight_scale [out, in/16], got "
+            f"{weight.shape} and {weight_scale.shape}"
+        )
+    if weight_scale_2.rank == 0:
+        weight_scale_2 = ops.reshape(weight_scale_2, [1])
+    if weight_scale_2.rank != 1 or _static(weight_scale_2.shape[0]) not in (None, 1):
+        raise ValueError(f"{op}: weight_scale_2 must hold one value, got {weight_scale_2.shape}")
+    k, half, blocks = (_static(d) for d in (x.shape[1], weight.shape[1], weight_scale.shape[1]))
+    if k is not None and k % 16:
+        raise ValueError(f"{op}: x has {k} inputs, not a multiple of 16 (one scale per 16)")
+    if k is not None and half is not None and 2 * half != k:
+        raise ValueError(f"{op}: weight is [out, {half}], expected [out, {k // 2}] for {k} inputs")
+    if k is not None and blocks is not None and 16 * blocks != k:
+        raise ValueError(
+            f"{op}: weight_scale is [out, {blocks}], expected [out, {k // 16}] for {k} inputs"
+        )
+    n_out = weight.shape[0]
+    rows, scale_rows = _static(n_out), _static(weight_scale.shape[0])
+    if rows is not None and scale_rows is not None and rows != scale_rows:
+        raise ValueError(f"{op}: weight has {rows} rows and weight_scale {scale_rows}")
+    if s is None:
+        s = ops.broadcast_to(ops.constant(1, x.dtype, device=x.device), [n_out])
+    values = _operands(x, weight, s, U, V, op=op, what="", in_dim=x.shape[1], w0_dtype=False)
+    out = TensorType(x.dtype, [x.shape[0], n_out], device=x.device)
+    return _custom(
+        op,
+        device=x.device,
+        values=[x, weight, weight_scale, weight_scale_2, *values[1:]],
+        out_types=[out],
     )

@@ -16,6 +16,10 @@ the package's CPU op tests (``packages/attnquant-kernels/tests/test_ops.py``), t
 * :func:`check_linear` / :func:`check_mlp` run one random case through such a model and assert
   every output against the reference: float32 within :data:`F32_RTOL`, bfloat16 inputs within
   :data:`BF16_RTOL`.
+* NVFP4 (``generated_linear_nvfp4``): :func:`nvfp4_random` makes packed weights in Model
+  Optimizer's layout, :func:`nvfp4_dequantize` rebuilds the float weight in numpy (the same
+  arithmetic as ``attnquant_max.dequantize_nvfp4``, which this package cannot import),
+  :func:`build_linear_nvfp4` / :func:`check_linear_nvfp4` compile and check the op.
 """
 
 from __future__ import annotations
@@ -33,13 +37,17 @@ __all__ = [
     "Report",
     "apply",
     "build_linear",
+    "build_linear_nvfp4",
     "build_mlp",
     "check_linear",
+    "check_linear_nvfp4",
     "check_mlp",
     "close",
     "gelu_tanh",
     "max_rel_error",
     "mlp_ref",
+    "nvfp4_dequantize",
+    "nvfp4_random",
     "rank0",
     "round_bf16",
     "session_model",
@@ -326,3 +334,104 @@ def check_mlp(
     xb, *wb = round_bf16([x, *gate, *up, *down])
     ref_bf16 = mlp_ref(xb, wb[0:4], wb[4:8], wb[8:12], silu)
     close(silu_bf16, ref_bf16, BF16_RTOL, f"{what} r={r} silu bf16", report=report)
+
+
+# ---------------------------------------------------------------- NVFP4
+
+#: The value of each 4-bit E2M1 code (code 8 is -0).
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def nvfp4_dequantize(weight: np.ndarray, weight_scale: np.ndarray, weight_scale_2) -> np.ndarray:
+    """``W [out, in]`` float32 from packed codes, E4M3 scale bytes (uint8) and the global scale.
+
+    ``E2M1[code] * (float(scale) * scale_2)`` in float32, the reference's order; scale bytes
+    0x7F / 0xFF are NaN (imports ``ml_dtypes``).
+    """
+    import ml_dtypes
+
+    codes = np.stack([weight & 0x0F, weight >> 4], axis=-1).reshape(weight.shape[0], -1)
+    scales = np.ascontiguousarray(weight_scale, np.uint8).view(ml_dtypes.float8_e4m3fn)
+    step = scales.astype(np.float32) * np.float32(np.asarray(weight_scale_2).reshape(()))
+    return E2M1[codes] * np.repeat(step, 16, axis=1)
+
+
+def nvfp4_random(
+    rng: np.random.Generator, out_dim: int, in_dim: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(weight, weight_scale, weight_scale_2)``: every code, scales from 1/4 to 4 (bytes
+    0x28..0x48) and a global scale of ``1/sqrt(in)``, so outputs are of order one."""
+    weight = rng.integers(0, 256, (out_dim, in_dim // 2), dtype=np.uint8)
+    weight_scale = rng.integers(0x28, 0x49, (out_dim, in_dim // 16), dtype=np.uint8)
+    weight_scale_2 = np.array([1.0 / np.sqrt(max(in_dim, 1))], np.float32)
+    return weight, weight_scale, weight_scale_2
+
+
+def build_linear_nvfp4(device: Device = "cpu") -> OpModel:
+    """``generated_linear_nvfp4``, every dimension symbolic, compiled on ``device``.
+
+    Inputs ``x [M, K]`` (float32), ``weight [N, KH]`` and ``weight_scale [N, KB]`` (uint8),
+    ``weight_scale_2 [1]``, ``s [N]``, ``U [N, R]``, ``V [K, R]`` (float32); the kernel checks
+    ``KH = K/2`` and ``KB = K/16``. Outputs: the op (float32); the plain NVFP4 projection
+    (``s``, ``U``, ``V`` omitted: ``x @ W^T``); the op on bfloat16 ``x``, ``s``, ``U``, ``V``
+    (cast back to float32).
+    """
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from . import kernels_path
+    from .graph import generated_linear_nvfp4
+
+    _check_device(device)
+    dev = DeviceRef.GPU() if device == "gpu" else DeviceRef.CPU()
+    f32, u8 = DType.float32, DType.uint8
+    types = [
+        TensorType(dtype, shape, device=dev)
+        for dtype, shape in (
+            (f32, ["M", "K"]),
+            (u8, ["N", "KH"]),
+            (u8, ["N", "KB"]),
+            (f32, [1]),
+            (f32, ["N"]),
+            (f32, ["N", "R"]),
+            (f32, ["K", "R"]),
+        )
+    ]
+    name = _graph_name("linear_nvfp4", device)
+    with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as g:
+        x, w, ws, ws2, s, U, V = (v.tensor for v in g.inputs)
+        xb, sb, Ub, Vb = _bf16([x, s, U, V])
+        g.output(
+            generated_linear_nvfp4(x, w, ws, ws2, s, U, V),
+            generated_linear_nvfp4(x, w, ws, ws2),
+            _f32(generated_linear_nvfp4(xb, w, ws, ws2, sb, Ub, Vb)),
+        )
+    return session_model(g, device)
+
+
+def check_linear_nvfp4(
+    model: OpModel,
+    M: int,
+    K: int,
+    N: int,
+    R: int,
+    seed: int = 0,
+    *,
+    report: Report | None = None,
+) -> None:
+    """One random case of :func:`build_linear_nvfp4`'s model against the float64 identity over
+    the numpy-dequantized weight: ``s * (x W^T) + (x V) U^T``, and ``x W^T`` for the plain form.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    packed = nvfp4_random(rng, N, K)
+    W = nvfp4_dequantize(*packed)
+    _, s, U, V = theta(rng, N, K, max(R, _min_rank(model)))
+    y, y0, yb = model(x, *packed, s, U, V)
+    r = U.shape[1]
+    what = f"{model.device} linear_nvfp4 M={M} K={K} N={N}"
+    close(y, apply(x, W, s, U, V), F32_RTOL, f"{what} r={r}", report=report)
+    plain = apply(x, W, np.ones(N, np.float32), U[:, :0], V[:, :0])
+    close(y0, plain, F32_RTOL, f"{what} plain (s=U=V=None)", report=report)
+    xb, sb, Ub, Vb = round_bf16([x, s, U, V])
+    close(yb, apply(xb, W, sb, Ub, Vb), BF16_RTOL, f"{what} r={r} bf16", report=report)

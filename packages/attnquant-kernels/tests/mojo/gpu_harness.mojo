@@ -1,4 +1,5 @@
-# Instantiates every GPU variant of the kernels (float32 and bfloat16, SiLU and tanh-GELU)
+# Instantiates every GPU variant of the kernels (float32 and bfloat16, SiLU and tanh-GELU,
+# the NVFP4 linear)
 # so `mojo build --target-accelerator <gpu> --emit asm` compiles them on a machine without a
 # GPU. test_gpu_build.py copies the kernel package next to this file as `aqk`; nothing runs.
 
@@ -6,6 +7,7 @@ from max.gpu.host import DeviceContext
 
 from aqk._common import ACT_GELU_TANH, ACT_SILU
 from aqk._gpu import theta_linear_gpu, theta_mlp_gpu
+from aqk._nvfp4 import nvfp4_linear_gpu
 
 
 def instantiate[dt: DType](ctx: DeviceContext) raises:
@@ -82,8 +84,17 @@ def instantiate[dt: DType](ctx: DeviceContext) raises:
         p,
         4,
     )
+    var packed = ctx.enqueue_create_buffer[DType.uint8](64)
+    var scale_2 = ctx.enqueue_create_buffer[DType.float32](1)
+    var q = packed.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var g = scale_2.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    nvfp4_linear_gpu[dt, dt, dt](
+        ctx, p, 16, 1, 16, q, 8, q, 1, g, p, 1, p, 1, p, 1, 1, 4, p, 4
+    )
     ctx.synchronize()
     _ = buf^
+    _ = packed^
+    _ = scale_2^
 
 
 def main() raises:

@@ -1,0 +1,170 @@
+"""generated_linear_nvfp4 on the CPU through MAX, against numpy: dequantize, then the identity.
+
+One compiled graph for the module (every dimension symbolic; :func:`build_linear_nvfp4`): the
+op, the plain NVFP4 projection (no ``s``, ``U``, ``V``) and the op on bfloat16 activations. The
+packed weights are random codes with E4M3 block scales (:func:`nvfp4_random`); the reference
+dequantizes them in numpy (:func:`nvfp4_dequantize`, the arithmetic of
+``attnquant_max.dequantize_nvfp4``; ``packages/attnquant-max/tests/test_nvfp4_kernel.py`` checks
+that the two agree bit for bit) and applies the float64 identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnquant_kernels import MAX_RANK
+from attnquant_kernels.testing import (
+    OpModel,
+    build_linear_nvfp4,
+    check_linear_nvfp4,
+    nvfp4_dequantize,
+    nvfp4_random,
+    theta,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def linear_nvfp4() -> OpModel:
+    """Outputs: the op (float32), the plain NVFP4 projection, the op on bfloat16 activations."""
+    return build_linear_nvfp4("cpu")
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "N", "R"),
+    [
+        (1, 16, 1, 0),  # smallest: one block, one output
+        (1, 16, 7, 16),  # in=16, odd out, decode
+        (16, 16, 33, 0),  # in=16, M=16 (register tiles of 4 rows), odd out
+        (16, 48, 5, 16),
+        (3, 96, 9, 64),  # fewer rows than a tile, largest rank
+        (5, 160, 130, 7),  # a tile plus a decode row, several parallel blocks
+        (1, 2048, 67, 16),  # decode at a real width
+        (16, 1024, 256, 16),
+        (64, 256, 40, 0),  # a whole batch block
+        (70, 32, 18, 3),  # two batch blocks
+    ],
+)
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_matches_dequantize_then_identity(
+    linear_nvfp4: OpModel, M: int, K: int, N: int, R: int
+):
+    check_linear_nvfp4(linear_nvfp4, M, K, N, R, seed=M * 1000 + R)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.integers(1, 40),
+    blocks=st.integers(1, 12),
+    N=st.integers(1, 140),
+    R=st.integers(0, MAX_RANK),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_random_shapes(
+    linear_nvfp4: OpModel, M: int, blocks: int, N: int, R: int, seed: int
+):
+    check_linear_nvfp4(linear_nvfp4, M, 16 * blocks, N, R, seed)
+
+
+@pytest.mark.parametrize("M", [16, 5, 1])
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_decodes_every_code_and_scale_byte_exactly(linear_nvfp4: OpModel, M: int):
+    """x = rows of the identity: the plain output is W^T itself, bit for bit.
+
+    Row n of W has scale byte n (all 256: subnormals, negatives, and the NaN bytes 0x7F and
+    0xFF, whose rows are NaN), its 16 codes random; global scale 1.
+    """
+    rng = np.random.default_rng(7)
+    weight = rng.integers(0, 256, (256, 8), dtype=np.uint8)
+    weight_scale = np.arange(256, dtype=np.uint8).reshape(256, 1)
+    weight_scale_2 = np.ones(1, np.float32)
+    _, s, U, V = theta(rng, 256, 16, 0)
+    x = np.eye(16, dtype=np.float32)[:M]
+    _, plain, _ = linear_nvfp4(x, weight, weight_scale, weight_scale_2, s, U, V)
+    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
+    assert np.isnan(W[[0x7F, 0xFF]]).all() and np.isfinite(np.delete(W, [0x7F, 0xFF], 0)).all()
+    np.testing.assert_array_equal(plain, W.T[:M])
+
+
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_empty_batch(linear_nvfp4: OpModel):
+    rng = np.random.default_rng(1)
+    packed = nvfp4_random(rng, 6, 32)
+    _, s, U, V = theta(rng, 6, 32, 3)
+    outs = linear_nvfp4(np.zeros((0, 32), np.float32), *packed, s, U, V)
+    assert [o.shape for o in outs] == [(0, 6)] * 3
+
+
+def _bad(K: int, N: int, half: int, blocks: int, rank: int = 2) -> list[np.ndarray]:
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    weight = rng.integers(0, 256, (N, half), dtype=np.uint8)
+    weight_scale = np.full((N, blocks), 0x38, np.uint8)
+    _, s, U, V = theta(rng, N, K, rank)
+    return [x, weight, weight_scale, np.ones(1, np.float32), s, U, V]
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        (_bad(24, 4, 12, 1), r"x has 24 inputs, not a multiple of 16"),
+        (_bad(32, 4, 15, 2), r"weight has size 15 along axis 1, expected 16"),
+        (_bad(32, 4, 16, 3), r"weight_scale has size 3 along axis 1, expected 2"),
+        (_bad(32, 4, 16, 2, rank=MAX_RANK + 1), r"correction rank r=65 is above 64.*GEMM=1"),
+    ],
+    ids=["in-not-16k", "weight-width", "scale-width", "rank-65"],
+)
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_kernel_refuses_bad_shapes(
+    linear_nvfp4: OpModel, arrays: Sequence[np.ndarray], message: str
+):
+    with pytest.raises(Exception, match=rf"generated_linear_nvfp4: {message}"):
+        linear_nvfp4(*arrays)
+
+
+# ---------------------------------------------------------------- the Python wrapper (no compile)
+
+
+def _static(shapes_dtypes: Sequence[tuple[Sequence[int], str]]):
+    """Build (never compile) a graph around the wrapper with static input shapes."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from attnquant_kernels.graph import generated_linear_nvfp4
+
+    types = [
+        TensorType(getattr(DType, dtype), list(shape), device=DeviceRef.CPU())
+        for shape, dtype in shapes_dtypes
+    ]
+    with Graph("aq_nvfp4_static", input_types=types) as g:
+        g.output(generated_linear_nvfp4(*(v.tensor for v in g.inputs)))
+
+
+GOOD = [([2, 32], "float32"), ([4, 16], "uint8"), ([4, 2], "uint8"), ([1], "float32")]
+
+
+@pytest.mark.parametrize(
+    ("index", "replacement", "error", "message"),
+    [
+        (0, ([2, 24], "float32"), ValueError, r"x has 24 inputs, not a multiple of 16"),
+        (1, ([4, 8], "uint8"), ValueError, r"weight is \[out, 8\], expected \[out, 16\]"),
+        (2, ([4, 4], "uint8"), ValueError, r"weight_scale is \[out, 4\], expected \[out, 2\]"),
+        (2, ([5, 2], "uint8"), ValueError, r"weight has 4 rows and weight_scale 5"),
+        (3, ([2], "float32"), ValueError, r"weight_scale_2 must hold one value"),
+        (1, ([4, 16], "float32"), TypeError, r"weight is float32, expected uint8"),
+        (2, ([4, 2], "float8_e4m3fn"), TypeError, r"weight_scale is float8_e4m3fn, expected"),
+        (0, ([2, 32], "int32"), TypeError, r"x is int32"),
+    ],
+)
+def test_wrapper_refuses_bad_static_shapes_and_dtypes(index, replacement, error, message):
+    shapes = list(GOOD)
+    shapes[index] = replacement
+    with pytest.raises(error, match=rf"generated_linear_nvfp4: {message}"):
+        _static(shapes)
