@@ -108,6 +108,14 @@ def tiny_theta_g1(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
+def tiny_budget(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama fitted to half its size: forms and ranks chosen per family and layer."""
+    out = tmp_path_factory.mktemp("ckpt") / "budget"
+    decompose_checkpoint(tiny_dense, out, budget=0.5)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_bundle(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The in-graph paths' bundle: one W0 per layer, a scale and a rank-16 correction at work."""
     return write_tiny_bundle(tiny_dense, tmp_path_factory.mktemp("ckpt") / "bundle")

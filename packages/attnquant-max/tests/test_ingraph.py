@@ -30,11 +30,13 @@ import pytest
 from attnquant_max import (
     AttnquantConfig,
     LoadedModel,
+    config_override,
     count_matmuls,
     decoder_graph,
     greedy_generate,
     logit_parity,
 )
+from attnquant_max._layout import FUSED_GROUPS
 
 from .conftest import LAYERS, load_tiny
 
@@ -114,6 +116,56 @@ def _per_layer(config: AttnquantConfig, loaded: LoadedModel) -> tuple[float, int
     graph, weight_bytes = decoder_graph(loaded, config)
     total = sum(count_matmuls(graph).values())
     return (total - 1) / LAYERS, total, weight_bytes  # 1: the LM head
+
+
+def _expected_matmuls(layout: Any, layer: int) -> int:
+    """Matmuls of one decoder layer as the layout says it is served (GEMM path)."""
+
+    def alone(family: str) -> int:
+        how = layout.served[family][layer]
+        if how.kind == "banded":
+            return 1 + (how.rank > 0)
+        return {"dense": 1, "zero": 0}.get(how.kind, 2)
+
+    n = alone("self_attn.o_proj") + alone("mlp.down_proj")
+    for group, members in FUSED_GROUPS.items():
+        if layout.groups.get(group) == members:  # banded, one band weight
+            n += 1 + (sum(layout.served[m][layer].rank for m in members) > 0)
+        elif layer in layout.stacked.get(group, ()):  # one stacked first matmul
+            n += 1 + sum(layout.served[m][layer].kind != "dense" for m in members)
+        else:
+            n += sum(alone(m) for m in members)
+    return n
+
+
+def test_budget_checkpoint_on_the_gemm_path_holds_its_stored_bytes(tiny_budget: Path) -> None:
+    """Traced, not compiled: a checkpoint fitted to a budget (low rank, shared bases, banded)
+    builds on the GEMM path holding the checkpoint's tensors (dense weights only for layers
+    whose factors are not smaller), each basis once, with the matmuls its forms need."""
+    from attnquant_core import FAMILIES
+    from attnquant_max import InGraphLayout
+    from attnquant_max.testing import gemm_weight_bytes
+
+    # Precompute-outside: the stock graph, already in the cache; decoder_graph re-plans it.
+    with load_tiny(tiny_budget) as outside:
+        graph, nbytes = decoder_graph(outside, GEMM)
+        pm = _pipeline_model(outside)
+        with config_override(GEMM):
+            state = pm.adapter(
+                dict(pm.weights.items()),
+                huggingface_config=pm.huggingface_config,
+                pipeline_config=pm.pipeline_config,
+            )
+    assert nbytes == gemm_weight_bytes(tiny_budget)
+    layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
+    assert layout is not None and layout.gemm
+    assert any(k != "banded" for how in layout.forms.values() for k in how)
+    text = str(graph)
+    for key in (k for k in state if k.endswith((".basis", ".W0V"))):
+        assert text.count(f'"{key}"') == 1, key
+    want = 1 + sum(_expected_matmuls(layout, i) for i in range(LAYERS))  # 1: the LM head
+    assert sum(count_matmuls(graph).values()) == want
+    print(f"budget 0.5 on the GEMM path: {want} matmuls, {nbytes} weight bytes, {layout.forms}")
 
 
 def _checkpoint_bytes(path: Path) -> int:

@@ -5,6 +5,9 @@ one band, in float32 and in bfloat16 (each dtype its own inputs and weights), so
 band weights and both dtypes cost one compile (~1-3 min cold on two cores: keep it small).
 The NVFP4 linears (a lone ``NVFP4Linear`` and a stacked pair) ride in the same graph: a graph
 of their own cost another compile (~80 s cold) for what one more branch of this one proves.
+So do the GEMM path's other forms (:func:`mixed_families`: low rank, a shared basis on either
+side, layers served dense or zero, stacked q/k/v first matmuls, banded groups with per-layer
+ranks and different ``G``), in float32, fused (three layers) and unfused (one).
 Several bands are covered by the layout test (numpy) and by the whole tiny model of
 ``test_ingraph.py`` (two bands over three layers).
 """
@@ -18,7 +21,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from attnquant_core import FamilyTheta, decompose_family
+from attnquant_core import (
+    FamilyTheta,
+    LayerTheta,
+    LowRankFamily,
+    SharedBasisFamily,
+    decompose_family,
+)
 from attnquant_max._layout import InGraphLayout, gemm_band_key, ingraph_tensors
 
 pytestmark = pytest.mark.xdist_group("layers")  # one worker builds the one layer graph
@@ -37,6 +46,62 @@ SHAPES = {
 }
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
 VARIANTS = {"fused": (True, True), "unfused": (True, False), "precompute": (False, True)}
+#: The forms branch (GEMM, float32): fuse, and the layers in the graph.
+FORM_VARIANTS = {"forms_fused": (True, (0, 1, 2)), "forms_unfused": (False, (1,))}
+
+
+def mixed_families(seed: int = 11) -> dict[str, Any]:
+    """Every form the GEMM path serves, on the layer graph's shapes (fixed seed).
+
+    q: low rank, ranks 3, 5, 2; k: low rank, ranks 2, 12 (served dense: ``12 (16 + 32) >= 16 *
+    32``), 0 (zero); v: shared basis on the output side, one band; so q/k/v stack their first
+    matmul in layers 0 and 1 (fused) and run alone in layer 2. o: shared basis on the input
+    side, bands of widths 4 and 0 (served as 1 zero column). gate/up: banded, ``G = 2``, with
+    per-layer ranks (gate 2, 4, 0; up 3, 1, 2), fused into one band weight; down: banded ``G = 1``.
+    """
+    rng = np.random.default_rng(seed)
+
+    def a(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, shape[0] ** -0.5, shape).astype(np.float32)
+
+    def lowrank(name: str, ranks: tuple[int, ...]) -> LowRankFamily:
+        o, i = SHAPES[name]
+        return LowRankFamily(name=name, U=[a(o, r) for r in ranks], V=[a(i, r) for r in ranks])
+
+    def basis(name: str, side: str, widths: tuple[int, ...], bands: tuple[int, ...]) -> Any:
+        o, i = SHAPES[name]
+        dim, coef = (i, o) if side == "in" else (o, i)
+        return SharedBasisFamily(
+            name=name,
+            side=side,  # type: ignore[arg-type]
+            bases=[a(dim, k) for k in widths],
+            bands=bands,
+            coefs=[a(coef, widths[b]) for b in bands],
+        )
+
+    def banded(name: str, ranks: tuple[int, ...], bands: tuple[int, ...]) -> FamilyTheta:
+        o, i = SHAPES[name]
+        return FamilyTheta(
+            name=name,
+            shared=[a(o, i) for _ in range(max(bands) + 1)],
+            bands=bands,
+            layers=[
+                LayerTheta(
+                    s=(1 + 0.1 * rng.normal(size=o)).astype(np.float32), U=a(o, r), V=a(i, r)
+                )
+                for r in ranks
+            ],
+        )
+
+    return {
+        "self_attn.q_proj": lowrank("self_attn.q_proj", (3, 5, 2)),
+        "self_attn.k_proj": lowrank("self_attn.k_proj", (2, 12, 0)),
+        "self_attn.v_proj": basis("self_attn.v_proj", "out", (3,), (0, 0, 0)),
+        "self_attn.o_proj": basis("self_attn.o_proj", "in", (4, 0), (0, 0, 1)),
+        "mlp.gate_proj": banded("mlp.gate_proj", (2, 4, 0), (0, 0, 1)),
+        "mlp.up_proj": banded("mlp.up_proj", (3, 1, 2), (0, 0, 1)),
+        "mlp.down_proj": banded("mlp.down_proj", (4, 4, 4), (0, 0, 0)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +229,53 @@ def _add_variants(
     return calls
 
 
+def _add_forms(root: Any, state: dict[str, Any], families: dict[str, Any]) -> dict[str, list[Any]]:
+    """Hang the forms branch (float32, GEMM, fused and unfused) under ``root.forms``; its
+    weights go into ``state``. Returns the layer blocks of each variant, in call order."""
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from attnquant_max._layers import ThetaBuilder
+    from attnquant_max._weights import weight_data_from_numpy
+
+    branch = _Holder.make()
+    root.forms = branch
+    calls = {}
+    for variant, (fuse, graph_layers) in FORM_VARIANTS.items():
+        tensors = dict(ingraph_tensors(families, stack="layers", gemm=True, fuse=fuse))
+        layout = InGraphLayout.from_state(
+            {k: v.shape for k, v in tensors.items()}, list(SHAPES), fuse=fuse
+        )
+        assert layout is not None and layout.gemm and layout.blocks is None
+        builder = ThetaBuilder(
+            layout, num_layers=LAYERS, shapes=SHAPES, dtype=DType.float32, device=DeviceRef.CPU()
+        )
+        sub, holder, layers = _Holder.make(), _Holder.make(), []
+        sub.bank = builder.bank
+        for layer in graph_layers:
+            block, attn = _Holder.make(), _Holder.make()
+            attn.qkv_proj = builder.stacked(QKV, layer)
+            attn.o_proj = builder.linear("self_attn.o_proj", layer)
+            block.self_attn = attn
+            block.mlp = builder.mlp(layer)
+            setattr(holder, str(layer), block)
+            layers.append(block)
+        sub.layers = holder
+        setattr(branch, variant, sub)
+        calls[variant] = layers
+        used = set(sub.raw_state_dict())
+        assert used <= set(tensors), sorted(used - set(tensors))
+        prefix = f"forms.{variant}"
+        state.update(
+            {
+                f"{prefix}.{k}": weight_data_from_numpy(v, f"{prefix}.{k}")
+                for k, v in tensors.items()
+                if k in used
+            }
+        )
+    return calls
+
+
 #: The NVFP4 branch: (out, in) of a stacked pair (a, b) and of a lone linear (c).
 NVFP4_SHAPES = {"a": (48, HIDDEN), "b": (16, HIDDEN), "c": (HIDDEN, FFL)}
 
@@ -209,12 +321,15 @@ def _add_nvfp4(root: Any, state: dict[str, Any], quantized: dict[str, Any]) -> A
     return branch
 
 
-def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict[str, Any]]:
+def _run(
+    families_by_dtype: dict[str, dict[str, FamilyTheta]], forms: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
     """Build, compile and run the one graph of every variant in every dtype; outputs float32.
 
     float32 and bfloat16 share the graph (one compile for both): each dtype takes its own two
     inputs and owns its own weights. The NVFP4 branch takes the float32 ``x`` and one more
-    input of ``FFL`` features; its results are under ``"nvfp4"``.
+    input of ``FFL`` features; its results are under ``"nvfp4"``. The forms branch
+    (``forms``, float32) takes the float32 inputs; its results are under ``"forms"``.
     """
     from max.driver import CPU, Buffer
     from max.dtype import DType
@@ -227,6 +342,7 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
     calls = {
         name: _add_variants(root, state, fams, name) for name, fams in families_by_dtype.items()
     }
+    form_calls = _add_forms(root, state, forms)
     quantized = _nvfp4_weights()
     nvfp4 = _add_nvfp4(root, state, quantized)
     root.load_state_dict(state, strict=True)
@@ -242,6 +358,11 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
                     outs.append(block.self_attn.qkv_proj(x))
                     outs.append(block.self_attn.o_proj(x_o))
                     outs.append(block.mlp(x))
+        for variant in FORM_VARIANTS:
+            for block in form_calls[variant]:
+                outs.append(block.self_attn.qkv_proj(inputs[0].tensor))
+                outs.append(block.self_attn.o_proj(inputs[1].tensor))
+                outs.append(block.mlp(inputs[0].tensor))
         outs.append(nvfp4.stacked(inputs[0].tensor))  # the float32 x
         outs.append(nvfp4.c(inputs[-1].tensor))
         return [ops.cast(o, DType.float32) for o in outs]
@@ -259,6 +380,9 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
     for name in calls:
         band = f'"{name}.fused.{gemm_band_key("self_attn.qkv_proj", 0)}"'
         assert text.count(band) == 1, [line for line in text.splitlines() if band in line]
+    # A shared basis: one graph weight for the layers of its band (o_proj band 0: layers 0, 1).
+    basis = '"forms.forms_fused.attnquant.shared.self_attn.o_proj.0.basis"'
+    assert text.count(basis) == 1, [line for line in text.splitlines() if basis in line]
     session = InferenceSession(devices=[CPU()])
     model = session.load(graph, weights_registry=root.state_dict())
     rng = np.random.default_rng(1)
@@ -283,6 +407,10 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
             n = 3 * len(GRAPH_LAYERS[variant])
             result[variant], outs = outs[:n], outs[n:]
         results[name] = result
+    results["forms"] = {"x": arrays["float32"]}
+    for variant, (_, graph_layers) in FORM_VARIANTS.items():
+        n = 3 * len(graph_layers)
+        results["forms"][variant], outs = outs[:n], outs[n:]
     got_ab, got_c = outs
     results["nvfp4"] = {"x": arrays["float32"][0], "y": y, "ab": got_ab, "c": got_c}
     results["nvfp4"]["quantized"] = quantized
@@ -292,11 +420,15 @@ def _run(families_by_dtype: dict[str, dict[str, FamilyTheta]]) -> dict[str, dict
 @pytest.fixture(scope="module")
 def outputs(families: dict[str, FamilyTheta]) -> dict[str, dict[str, Any]]:
     """Every variant's outputs in float32 and bfloat16, from the one compiled graph."""
-    return _run({"float32": families, "bfloat16": _round(families, ml_dtypes.bfloat16)})
+    return _run(
+        {"float32": families, "bfloat16": _round(families, ml_dtypes.bfloat16)}, mixed_families()
+    )
 
 
 def _max_rel(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
+    """Max abs error over max abs reference; the max abs error for an all-zero reference."""
+    scale = np.abs(ref).max()
+    return float(np.abs(got - ref).max() / (scale if scale else 1.0))
 
 
 def test_band_weight_layout(families: dict[str, FamilyTheta]) -> None:
@@ -340,6 +472,20 @@ def test_layers_match_the_numpy_identity_bfloat16(
         for i, (got, ref) in enumerate(zip(result[variant], refs, strict=True)):
             # bf16 keeps 8 bits of mantissa; a few roundings (x V, the sum) -> ~1e-2.
             assert _max_rel(got, ref) < 3e-2, (variant, i, _max_rel(got, ref))
+
+
+@pytest.mark.slow
+def test_every_form_matches_the_numpy_identity(outputs: dict[str, dict[str, Any]]) -> None:
+    """Low rank, shared basis (both sides), dense- and zero-served layers, stacked first
+    matmuls and banded groups with per-layer ranks, on the GEMM path, against each family's
+    numpy identity (``apply``), float32 within 1e-4 relative."""
+    families = mixed_families()
+    result = outputs["forms"]
+    for variant, (_, graph_layers) in FORM_VARIANTS.items():
+        refs = list(_references(families, *result["x"], graph_layers))
+        for i, (got, ref) in enumerate(zip(result[variant], refs, strict=True)):
+            assert got.shape == ref.shape
+            assert _max_rel(got, ref) < 1e-4, (variant, i, _max_rel(got, ref))
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from attnquant_max._weights import (
     model_directory,
     weight_data_from_numpy,
 )
+from attnquant_max.testing import gemm_weight_bytes
 
 from .conftest import LAYERS, tiny_llama_tensors
 
@@ -233,16 +234,6 @@ def test_weight_data_from_numpy_keeps_values_and_order(dtype: type) -> None:
     np.testing.assert_array_equal(np.asarray(held), array)
 
 
-@pytest.fixture(scope="module")
-def tiny_budget(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama fitted to half its size: forms and ranks chosen per family and layer."""
-    from attnquant_core import decompose_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "budget"
-    decompose_checkpoint(tiny_dense, out, budget=0.5)
-    return out
-
-
 def test_budget_checkpoint_serves_every_form_on_precompute_outside(tiny_budget: Path) -> None:
     from attnquant_core import ThetaCheckpoint
 
@@ -259,15 +250,59 @@ def test_budget_checkpoint_serves_every_form_on_precompute_outside(tiny_budget: 
     assert not any(".theta_" in k or k.startswith("attnquant.") for k in state)
 
 
-@pytest.mark.parametrize("env", [{"ATTNQUANT_PRECOMPUTE": "1"}, {"ATTNQUANT_GEMM": "1"}])
-def test_in_graph_paths_refuse_forms_they_do_not_serve(tiny_budget: Path, env: dict) -> None:
+@pytest.mark.parametrize(
+    ("env", "path"),
+    [({"ATTNQUANT_PRECOMPUTE": "1"}, "precompute"), ({"ATTNQUANT_GEMM": "0"}, "custom-op")],
+)
+def test_in_graph_paths_refuse_forms_they_do_not_serve(
+    tiny_budget: Path, env: dict, path: str
+) -> None:
+    """In-graph precompute and the custom op serve banded families only: one line naming
+    each family in another form, pointing at the GEMM path."""
     from attnquant_core import ThetaCheckpoint
 
-    if all(f == "banded" for f in ThetaCheckpoint.open(tiny_budget).forms.values()):
+    forms = ThetaCheckpoint.open(tiny_budget).forms
+    if all(f == "banded" for f in forms.values()):
         pytest.skip("the budget chose banded theta for every family")  # pragma: no cover
     config = AttnquantConfig.from_env({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", **env})
-    with pytest.raises(NotImplementedError, match="ATTNQUANT_PRECOMPUTE_OUTSIDE=1"):
+    with pytest.raises(NotImplementedError) as info:
         plan_serving(tiny_budget, config)
+    message = str(info.value)
+    assert "\n" not in message and f"the {path} path" in message
+    assert "ATTNQUANT_GEMM=1" in message and "ATTNQUANT_PRECOMPUTE_OUTSIDE=1" in message
+    for name, form in forms.items():
+        assert (f"{name} ({form})" in message) is (form != "banded")
+
+
+def test_budget_checkpoint_feeds_every_form_on_the_gemm_path(tiny_budget: Path) -> None:
+    """The GEMM plan of a budget checkpoint: its tensors are the checkpoint's, plus the dense
+    weights of layers whose factors are not smaller, and read back as the same forms."""
+    from attnquant_core import ThetaCheckpoint
+    from attnquant_max._served import served_layers
+
+    ckpt = ThetaCheckpoint.open(tiny_budget)
+    plan = plan_serving(tiny_budget, AttnquantConfig(precompute_outside=False, gemm=True))
+    assert plan.path == "gemm" and plan.in_graph
+    state = {k.removeprefix("model."): v for k, v in plan.theta_state()}
+    layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
+    assert layout is not None and layout.gemm
+    served = {name: served_layers(ckpt.family_theta(name)) for name in ckpt.families}
+    assert layout.served == served
+    assert layout.keys(LAYERS) <= set(state)
+    # The checkpoint's tensors (copied and theta), dense weights for layers served dense.
+    assert sum(a.nbytes for a in state.values()) == gemm_weight_bytes(tiny_budget)
+
+
+def test_auto_selection_takes_the_gemm_path_for_forms_the_custom_op_refuses(
+    tiny_budget: Path, tiny_theta: Path
+) -> None:
+    auto = AttnquantConfig(precompute_outside=False)
+    banded = plan_serving(tiny_theta, auto)
+    budget = plan_serving(tiny_budget, auto)
+    if banded.path != "custom-op":
+        pytest.skip(f"auto selection picks {banded.path} here")  # pragma: no cover
+    assert budget.path == "gemm"
+    assert "forms the custom op does not serve" in budget.describe()
 
 
 def test_in_graph_tensors_pad_per_layer_ranks_exactly() -> None:

@@ -7,7 +7,11 @@ Two formulations of ``y = s * (x W0^T) + (x V) U^T`` (DESIGN §1, §5.2):
   ``h = x @ W0V^T`` is one matmul giving ``x W0^T`` and this layer's ``x V``;
   a second matmul applies ``U^T``: two matmuls per projection. A group (q/k/v,
   gate/up) runs as one: one matmul over the stacked ``W0`` blocks and
-  down-projections, one block-diagonal up-projection.
+  down-projections, one block-diagonal up-projection. Families in the other forms
+  (low rank, shared basis, or served dense) are
+  :class:`~attnquant_max._factored_layers.FactoredLinear` layers, their q/k/v (gate/up)
+  stacked into one first matmul where the forms allow
+  (:class:`~attnquant_max._factored_layers.ThetaStackedInput`).
 * **In-graph precompute** (``precompute=True``, ``ATTNQUANT_PRECOMPUTE=1``):
   ``W_eff = s * W0 + U V^T`` formed in the graph, then one matmul (one over the
   concatenated ``W_eff`` for a group, as the stock model does).
@@ -21,7 +25,7 @@ Matmuls run in the input dtype: ``x @ w`` of two float32 tensors is float32;
 for bfloat16 MAX's matmul kernels accumulate in float32 and round the output
 to bfloat16, so ``x V`` is rounded to bfloat16 before ``U^T`` applies.
 
-The shared weights (``W0V`` or ``W0`` of each band) belong to one
+The shared weights (``W0V``, ``W0`` or the basis of each band) belong to one
 :class:`ThetaSharedBlocks` module; the layers of a band hold a plain reference,
 so each band's weight is one graph weight however many layers use it.
 """
@@ -35,9 +39,10 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
 
-from attnquant_core import band_of_layers, shared_key
+from attnquant_core import band_of_layers, basis_key, shared_key
 
-from ._layout import InGraphLayout, gemm_band_key
+from ._factored_layers import FactoredLinear, ThetaStackedInput
+from ._layout import FUSED_GROUPS, InGraphLayout, gemm_band_key
 
 __all__ = [
     "ThetaBuilder",
@@ -111,9 +116,9 @@ class ThetaLinear(Module):
         ``[out_dim + n * rank, in_dim]`` (GEMM) or ``W0`` ``[out_dim, in_dim]``
         (precompute). ``None`` for a member of a fused :class:`ThetaStackedLinear`,
         which holds only ``theta_s`` and ``theta_U`` (and ``theta_V``).
-    slot : int
-        GEMM: this layer's index within its band (which ``rank`` columns of
-        ``x @ W0V^T`` are its ``x V``).
+    offset : int or None
+        GEMM: the first of this layer's ``rank`` columns of ``x @ W0V^T`` (its ``x V``);
+        ``None``: the band's first layer (``out_dim``).
     precompute : bool
         Form ``W_eff`` in the graph and run one matmul.
 
@@ -130,19 +135,15 @@ class ThetaLinear(Module):
         dtype: DType,
         device: DeviceRef,
         band: Weight | None,
-        slot: int = 0,
+        offset: int | None = None,
         precompute: bool = False,
         custom_op: bool = False,
     ) -> None:
         super().__init__()
         self.in_dim, self.out_dim, self.rank = in_dim, out_dim, rank
         precompute = precompute or custom_op  # the custom op reads the precompute tensors
-        self.slot, self.precompute, self.custom_op, self.device = (
-            slot,
-            precompute,
-            custom_op,
-            device,
-        )
+        self.offset = out_dim if offset is None else offset
+        self.precompute, self.custom_op, self.device = precompute, custom_op, device
         self.theta_s = Weight("theta_s", dtype, [out_dim], device=device)
         if rank:
             self.theta_U = Weight("theta_U", dtype, [out_dim, rank], device=device)
@@ -153,13 +154,12 @@ class ThetaLinear(Module):
             ok = dims[1] == in_dim and (
                 dims[0] == out_dim
                 if precompute
-                else dims[0] >= out_dim + (slot + 1) * rank
-                and (dims[0] - out_dim) % max(rank, 1) == 0
+                else dims[0] >= self.offset + rank and self.offset >= out_dim
             )
             if not ok:
                 raise ValueError(
                     f"band weight {band.name} {dims} does not fit a [{out_dim}, {in_dim}] "
-                    f"projection of rank {rank} in slot {slot}"
+                    f"projection of rank {rank} at row {self.offset}"
                 )
         # A reference, not a registered weight: the band's owner registers it once.
         object.__setattr__(self, "_band", band)
@@ -194,7 +194,7 @@ class ThetaLinear(Module):
         h = x @ self.band.to(x.device).T
         y = h[..., : self.out_dim] * self.theta_s.to(x.device)
         if self.rank:
-            start = self.out_dim + self.slot * self.rank
+            start = self.offset
             y = y + h[..., start : start + self.rank] @ self.theta_U.to(x.device).T
         return y
 
@@ -213,10 +213,13 @@ class ThetaStackedLinear(Module):
     names : sequence of str
         ``["q_proj", "k_proj", "v_proj"]``.
     band : Weight or None
-        GEMM, fused: the group's band weight ``W0V`` ``[sum(out) + n * k * r, in]``,
-        this layer's ``k * r`` down-projection columns at ``slot``. ``None``:
-        every member runs alone (``ATTNQUANT_QKV_FUSE=0``), or, when
-        precomputing, the members' ``W_eff`` are concatenated for one matmul.
+        GEMM, fused: the group's band weight ``W0V`` ``[sum(out) + sum(r), in]``,
+        this layer's down-projection columns (each member's ``r`` in turn) from row
+        ``offset``. ``None``: every member runs alone (``ATTNQUANT_QKV_FUSE=0``, or members
+        in other forms), or, when precomputing, the members' ``W_eff`` are concatenated for
+        one matmul.
+    offset : int or None
+        GEMM, fused: see ``band``; ``None``: ``sum(out)`` (the band's first layer).
     fuse_precomputed : bool
         Precompute path: one matmul over the concatenated ``W_eff``.
     """
@@ -227,11 +230,11 @@ class ThetaStackedLinear(Module):
 
     def __init__(
         self,
-        members: Sequence[ThetaLinear],
+        members: Sequence[Module],
         names: Sequence[str],
         *,
         band: Weight | None = None,
-        slot: int = 0,
+        offset: int | None = None,
         fuse_precomputed: bool = False,
     ) -> None:
         super().__init__()
@@ -240,42 +243,52 @@ class ThetaStackedLinear(Module):
         self._names = list(names)
         for name, member in zip(names, members, strict=True):
             setattr(self, name, member)
-        self.out_dims = [m.out_dim for m in members]
-        self.rank = members[0].rank
-        self.slot = slot
+        self.out_dims = [m.out_dim for m in members]  # type: ignore[attr-defined]
+        self.ranks = [m.rank for m in members]  # type: ignore[attr-defined]
+        self.offset = sum(self.out_dims) if offset is None else offset
         self.fuse_precomputed = fuse_precomputed
         if band is not None:
-            in_dim = members[0].in_dim
+            in_dim = members[0].in_dim  # type: ignore[attr-defined]
             dims = list(band.shape.static_dims)
-            need = sum(self.out_dims) + (slot + 1) * len(members) * self.rank
+            need = self.offset + sum(self.ranks)
             if (
                 dims[1] != in_dim
                 or dims[0] < need
-                or any(m.rank != self.rank or m.in_dim != in_dim for m in members)
+                or self.offset < sum(self.out_dims)
+                or any(not isinstance(m, ThetaLinear) or m.in_dim != in_dim for m in members)
             ):
                 raise ValueError(
                     f"band weight {band.name} {dims} does not fit projections {self._names} "
-                    f"(out {self.out_dims}, in {in_dim}, rank {self.rank}) in slot {slot}"
+                    f"(out {self.out_dims}, in {in_dim}, ranks {self.ranks}) at row {self.offset}"
                 )
         object.__setattr__(self, "_band", band)
+
+    @property
+    def rank(self) -> int:
+        """The largest member rank."""
+        return max(self.ranks)
 
     @property
     def members(self) -> list[ThetaLinear]:
         return [getattr(self, name) for name in self._names]
 
     def _up_projection(self, device: DeviceRef) -> TensorValue:
-        """Block-diagonal ``[sum(out), k * r]``: member ``p``'s ``U`` in columns ``p*r .. (p+1)*r``."""
-        members, r = self.members, self.rank
-        rows = []
-        for p, m in enumerate(members):
+        """Block-diagonal ``[sum(out), sum(r)]``: member ``p``'s ``U`` in its own ``r_p`` columns."""
+        members, total = self.members, sum(self.ranks)
+        rows, start = [], 0
+        for m in members:
+            if not m.rank:
+                rows.append(_zeros(m.theta_s.dtype, [m.out_dim, total], device))
+                continue
             U = TensorValue(m.theta_U).to(device)
             parts = []
-            if p:
-                parts.append(_zeros(U.dtype, [m.out_dim, p * r], device))
+            if start:
+                parts.append(_zeros(U.dtype, [m.out_dim, start], device))
             parts.append(U)
-            if p < len(members) - 1:
-                parts.append(_zeros(U.dtype, [m.out_dim, (len(members) - 1 - p) * r], device))
+            if start + m.rank < total:
+                parts.append(_zeros(U.dtype, [m.out_dim, total - start - m.rank], device))
             rows.append(ops.concat(parts, axis=1) if len(parts) > 1 else U)
+            start += m.rank
         return ops.concat(rows, axis=0)
 
     def __call__(self, x: TensorValue) -> TensorValue:
@@ -290,9 +303,8 @@ class ThetaStackedLinear(Module):
         h = x @ self._band.to(x.device).T
         s = ops.concat([TensorValue(m.theta_s).to(x.device) for m in members])
         y = h[..., :out] * s
-        if self.rank:
-            k_r = len(members) * self.rank
-            start = out + self.slot * k_r
+        if sum(self.ranks):
+            start, k_r = self.offset, sum(self.ranks)
             y = y + h[..., start : start + k_r] @ self._up_projection(x.device).T
         return y
 
@@ -366,70 +378,112 @@ class ThetaBuilder:
         self.layout = layout
         self.shapes = dict(shapes)
         self.dtype, self.device = dtype, device
-        self.bands = band_of_layers(num_layers, layout.blocks)
+        self.num_layers = num_layers
+        self.bands = None if layout.gemm else band_of_layers(num_layers, layout.blocks or 1)
         self.bank = ThetaSharedBlocks()
 
-    def _slot(self, layer: int) -> tuple[int, int, int]:
-        """``(band, slot within the band, layers in the band)`` of ``layer``."""
-        band = self.bands[layer]
-        first = self.bands.index(band)
-        return band, layer - first, self.bands.count(band)
-
     def _band_weight(self, group: str, layer: int) -> tuple[Weight, int]:
-        band, slot, size = self._slot(layer)
+        """GEMM: the band weight of ``group`` holding ``layer``, and the row of its ``x V``."""
         members = self.layout.groups[group]
+        served = [self.layout.served[m] for m in members]
+        band = served[0][layer].band
+        in_band = [i for i, s in enumerate(served[0]) if s.band == band]
+        ranks = {i: sum(how[i].rank for how in served) for i in in_band}
         out = sum(self.shapes[m][0] for m in members)
         in_dim = self.shapes[members[0]][1]
-        rows = out + size * len(members) * self.layout.ranks[members[0]]
+        rows = out + sum(ranks.values())
+        offset = out + sum(ranks[i] for i in in_band if i < layer)
         key = gemm_band_key(group, band)
-        return self.bank.add(key, self.dtype, [rows, in_dim], self.device), slot
+        return self.bank.add(key, self.dtype, [rows, in_dim], self.device), offset
 
-    def _member(self, family: str, layer: int, band: Weight | None, slot: int) -> ThetaLinear:
+    def _rank(self, family: str, layer: int) -> int:
+        if self.layout.gemm:
+            return self.layout.served[family][layer].rank
+        return self.layout.ranks[family]
+
+    def _member(
+        self, family: str, layer: int, band: Weight | None, offset: int | None = None
+    ) -> ThetaLinear:
         out_dim, in_dim = self.shapes[family]
         return ThetaLinear(
             in_dim,
             out_dim,
-            rank=self.layout.ranks[family],
+            rank=self._rank(family, layer),
             dtype=self.dtype,
             device=self.device,
             band=band,
-            slot=slot,
+            offset=offset,
             precompute=not self.layout.gemm,
             custom_op=self.layout.custom_op,
         )
 
-    def _alone(self, family: str, layer: int) -> ThetaLinear:
+    def _factored(self, family: str, layer: int, *, own_input: bool = True) -> FactoredLinear:
+        """GEMM: ``family`` of ``layer`` in a form without ``W0`` (its basis held in the bank)."""
+        how = self.layout.served[family][layer]
+        out_dim, in_dim = self.shapes[family]
+        basis = None
+        if how.kind.startswith("basis"):
+            dim = in_dim if how.kind == "basis_in" else out_dim
+            basis = self.bank.add(
+                basis_key(family, how.band), self.dtype, [dim, how.rank], self.device
+            )
+        return FactoredLinear(
+            in_dim,
+            out_dim,
+            kind=how.kind,
+            rank=how.rank,
+            dtype=self.dtype,
+            device=self.device,
+            basis=basis,
+            own_input=own_input,
+        )
+
+    def _alone(self, family: str, layer: int) -> ThetaLinear | FactoredLinear:
         if not self.layout.gemm:
+            assert self.bands is not None
             band = self.bands[layer]
             W0 = self.bank.add(
                 shared_key(family, band), self.dtype, list(self.shapes[family]), self.device
             )
-            return self._member(family, layer, W0, 0)
+            return self._member(family, layer, W0)
+        if self.layout.served[family][layer].kind != "banded":
+            return self._factored(family, layer)
         group = self.layout.group_of(family)
+        assert group is not None
         if self.layout.groups[group] != (family,):
             raise ValueError(f"{family} is fused into {group}: build the group with stacked()")
-        weight, slot = self._band_weight(group, layer)
-        return self._member(family, layer, weight, slot)
+        weight, offset = self._band_weight(group, layer)
+        return self._member(family, layer, weight, offset)
 
-    def linear(self, family: str, layer: int) -> ThetaLinear:
+    def linear(self, family: str, layer: int) -> ThetaLinear | FactoredLinear:
         """The projection ``family`` of ``layer``, on its own (o_proj, down_proj)."""
         return self._alone(family, layer)
 
-    def stacked(self, families: Sequence[str], layer: int) -> ThetaStackedLinear:
+    def stacked(
+        self, families: Sequence[str], layer: int
+    ) -> ThetaStackedLinear | ThetaStackedInput:
         """``families`` of ``layer`` (q/k/v or gate/up), outputs concatenated in that order.
 
-        One band weight and two matmuls when the layout fuses them (GEMM), one
-        matmul over the concatenated ``W_eff`` when precomputing with fusion,
-        else each projection alone.
+        GEMM: one band weight and two matmuls when the layout fuses them (banded), one
+        stacked first matmul and a second per projection (:class:`ThetaStackedInput`) when
+        their forms allow, else each projection alone. Precompute: one matmul over the
+        concatenated ``W_eff`` when fused, else each projection alone.
         """
         families = list(families)
         names = [f.rsplit(".", 1)[-1] for f in families]
         group = self.layout.group_of(families[0])
-        fused = self.layout.groups[group] == tuple(families)
+        fused = group is not None and self.layout.groups[group] == tuple(families)
         if self.layout.gemm and fused:
-            weight, slot = self._band_weight(group, layer)
-            members = [self._member(f, layer, None, slot) for f in families]
-            return ThetaStackedLinear(members, names, band=weight, slot=slot)
+            assert group is not None
+            weight, offset = self._band_weight(group, layer)
+            members = [self._member(f, layer, None) for f in families]
+            return ThetaStackedLinear(members, names, band=weight, offset=offset)
+        stacked = next((g for g, m in FUSED_GROUPS.items() if m == tuple(families)), None)
+        if self.layout.gemm and layer in self.layout.stacked.get(stacked or "", ()):
+            assert stacked is not None
+            parts = [self._factored(f, layer, own_input=False) for f in families]
+            name = stacked.rsplit(".", 1)[-1]
+            return ThetaStackedInput(parts, names, name=name, dtype=self.dtype, device=self.device)
         members = [self._alone(f, layer) for f in families]
         precompute_fused = (
             not self.layout.gemm and not self.layout.custom_op and fused and len(families) > 1
@@ -440,4 +494,5 @@ class ThetaBuilder:
         """The gated MLP of ``layer`` (``<prefix>.{gate,up,down}_proj``)."""
         gate_up = self.stacked([f"{prefix}.gate_proj", f"{prefix}.up_proj"], layer)
         fused = self.layout.custom_op and self.layout.fused_mlp
-        return ThetaMLP(gate_up, self.linear(f"{prefix}.down_proj", layer), fused_kernel=fused)
+        down = self.linear(f"{prefix}.down_proj", layer)
+        return ThetaMLP(gate_up, down, fused_kernel=fused)  # type: ignore[arg-type]

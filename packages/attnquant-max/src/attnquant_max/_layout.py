@@ -2,24 +2,40 @@
 
 On the in-graph paths (DESIGN §5.2, and ``ATTNQUANT_PRECOMPUTE=1``) the served
 graph holds the theta tensors themselves, never ``W_eff``. The names are the
-theta checkpoint's (DESIGN §4), plus one kind of tensor built at load for the
+theta checkpoint's (DESIGN §4), plus two kinds of tensor built at load for the
 GEMM formulation:
 
 ``<stack>.<i>.<family>.theta_s`` ``[out]`` and ``theta_U`` ``[out, r]``
-    per layer, both paths.
+    per layer, both paths (``theta_U`` only where the layer's ``r > 0``).
 ``<stack>.<i>.<family>.theta_V`` ``[in, r]``
     per layer, in-graph precompute only (the GEMM path keeps ``V`` in the band weight).
 ``attnquant.shared.<family>.<band>.W0`` ``[out, in]``
     one per band, in-graph precompute only.
-``attnquant.gemm.<group>.<band>.W0V`` ``[sum(out) + n_band * k * r, in]``
+``attnquant.gemm.<group>.<band>.W0V`` ``[sum(out) + sum(r), in]``
     one per band, GEMM path: the band's ``W0`` rows of the ``k`` projections of
     ``group`` (``self_attn.qkv_proj`` = q, k, v; ``mlp.gate_up_proj`` = gate,
     up; or a single family), then the ``V^T`` rows of every layer of the band,
-    layer by layer, projection by projection. One matmul ``x @ W0V^T`` gives a
-    layer both ``x W0^T`` and its ``x V`` (the layer picks its ``k * r``
+    layer by layer, projection by projection (each layer its own ranks). One matmul
+    ``x @ W0V^T`` gives a layer both ``x W0^T`` and its ``x V`` (the layer picks its
     columns), so ``W0`` is stored once per band: weight memory follows the
-    theta size. The price is ``(n_band - 1) * k * r`` output columns computed
+    theta size. The price is the other layers' ``x V`` columns computed
     and dropped per layer: nothing at passthrough, ``(L - 1) k r`` at ``G = 1``.
+
+The other forms (GEMM path only; how each layer is served is
+:func:`attnquant_max._served.served_layers`) keep the checkpoint's names:
+
+``<stack>.<i>.<family>.theta_U``, ``theta_V``
+    low rank (both), shared basis on the input side (``theta_U``, the coefficients) or on
+    the output side (``theta_V``).
+``attnquant.shared.<family>.<band>.basis``
+    the band's basis, held once per band.
+``<stack>.<i>.<family>.weight`` ``[out, in]``
+    a layer served dense, rebuilt once at load (its factors are not smaller).
+``<stack>.<i>.<group>.theta_in`` ``[rows, in]``
+    q/k/v (or gate/up) of one layer whose first matmuls all read a per-layer tensor (dense
+    ``W``, low-rank ``V_l^T``, output-side ``V_l^T``): those rows stacked at load, so one
+    matmul serves the group; each projection then applies its own ``U_l`` or basis. The
+    members' own ``weight`` / ``theta_V`` are then not in the state.
 
 Why not concatenate ``[W0 ; V_l^T]`` per layer in the graph: a weight-only
 concat is either folded into a per-layer constant at compile time (``W0``
@@ -29,133 +45,34 @@ copied once per layer: dense-size memory) or redone on every forward (a copy of
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-import numpy as np
+from attnquant_core import band_of_layers, basis_key, shared_key, theta_key
 
-from attnquant_core import FamilyTheta, LayerTheta, shared_key, theta_key
+from ._served import (
+    FUSED_GROUPS,
+    GEMM_PREFIX,
+    Served,
+    fused_group_of,
+    gemm_band_key,
+    gemm_groups,
+    stacked_input_key,
+)
+from ._tensors import banded_groups, ingraph_tensors, stacked_layers, uniform_ranks
 
 __all__ = [
     "FUSED_GROUPS",
     "InGraphLayout",
+    "banded_groups",
     "gemm_band_key",
     "gemm_groups",
     "ingraph_tensors",
+    "stacked_input_key",
+    "stacked_layers",
     "uniform_ranks",
 ]
-
-#: The projection groups fused into one band weight when ``ATTNQUANT_QKV_FUSE=1``.
-FUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-GEMM_PREFIX = "attnquant.gemm."
-
-
-def gemm_band_key(group: str, band: int) -> str:
-    """``attnquant.gemm.self_attn.qkv_proj.0.W0V``: the GEMM band weight of ``group``."""
-    return f"{GEMM_PREFIX}{group}.{band}.W0V"
-
-
-def gemm_groups(families: Sequence[str], *, fuse: bool) -> dict[str, tuple[str, ...]]:
-    """The band-weight groups: fused q/k/v and gate/up when ``fuse``, else one per family."""
-    groups: dict[str, tuple[str, ...]] = {}
-    taken: set[str] = set()
-    if fuse:
-        for group, members in FUSED_GROUPS.items():
-            if all(m in families for m in members):
-                groups[group] = members
-                taken.update(members)
-    for family in families:
-        if family not in taken:
-            groups[family] = (family,)
-    return groups
-
-
-def _padded(fam: FamilyTheta, rank: int) -> FamilyTheta:
-    """``fam`` with every layer's ``U``, ``V`` padded with zero columns to ``rank`` (exact)."""
-    if all(t.rank == rank for t in fam.layers):
-        return fam
-
-    def pad(a: np.ndarray) -> np.ndarray:
-        return np.pad(a, ((0, 0), (0, rank - a.shape[1])))
-
-    layers = tuple(LayerTheta(s=t.s, U=pad(t.U), V=pad(t.V)) for t in fam.layers)
-    return FamilyTheta(name=fam.name, shared=fam.shared, bands=fam.bands, layers=layers)
-
-
-def uniform_ranks(families: Mapping[str, FamilyTheta], *, fuse: bool) -> dict[str, FamilyTheta]:
-    """Each family with one rank per projection group (the group's largest, zeros padded).
-
-    A graph layer has one ``r``; a checkpoint fitted to a budget has a rank per layer.
-    Zero columns of ``U`` and ``V`` add nothing to ``U V^T``, so padding is exact; it costs
-    the padded columns' arithmetic.
-    """
-    out = dict(families)
-    for members in gemm_groups(list(families), fuse=fuse).values():
-        rank = max(t.rank for m in members for t in families[m].layers)
-        for m in members:
-            out[m] = _padded(families[m], rank)
-    return out
-
-
-def ingraph_tensors(
-    families: Mapping[str, FamilyTheta],
-    *,
-    stack: str,
-    gemm: bool,
-    fuse: bool,
-    dtype: Mapping[str, np.dtype] | None = None,
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Every theta tensor an in-graph model reads, under the names of the module docstring.
-
-    Parameters
-    ----------
-    families : mapping of family name to FamilyTheta
-        All decomposed families of the model (same layers and bands).
-    stack : str
-        Key prefix of the decoder layers, such as ``"model.layers"``.
-    gemm : bool
-        ``True``: GEMM band weights ``W0V``; ``False``: in-graph precompute
-        (``W0`` per band, ``V`` per layer).
-    fuse : bool
-        GEMM path: one band weight for q/k/v and one for gate/up.
-    dtype : mapping of family name to dtype, optional
-        Cast each family's tensors to this dtype (default: as stored).
-    """
-
-    def cast(name: str, array: np.ndarray) -> np.ndarray:
-        target = None if dtype is None else dtype.get(name)
-        return np.ascontiguousarray(array if target is None else array.astype(target))
-
-    families = uniform_ranks(families, fuse=fuse)
-    for name, fam in families.items():
-        rank = fam.layers[0].rank
-        for layer, t in enumerate(fam.layers):
-            yield theta_key(stack, layer, name, "s"), cast(name, t.s)
-            if rank:
-                yield theta_key(stack, layer, name, "U"), cast(name, t.U)
-                if not gemm:
-                    yield theta_key(stack, layer, name, "V"), cast(name, t.V)
-        if not gemm:
-            for band, W0 in enumerate(fam.shared):
-                yield shared_key(name, band), cast(name, W0)
-    if not gemm:
-        return
-    for group, members in gemm_groups(list(families), fuse=fuse).items():
-        fams = [families[m] for m in members]
-        rank = fams[0].layers[0].rank
-        bands = fams[0].bands
-        if any(f.bands != bands for f in fams):
-            raise ValueError(f"{group}: {', '.join(members)} have different bands")
-        for band in range(fams[0].blocks):
-            rows = [cast(f.name, f.shared[band]) for f in fams]
-            if rank:
-                for layer in (i for i, b in enumerate(bands) if b == band):
-                    rows += [cast(f.name, f.layers[layer].V.T) for f in fams]
-            yield gemm_band_key(group, band), np.ascontiguousarray(np.concatenate(rows, axis=0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,50 +84,88 @@ class InGraphLayout:
     gemm : bool
         GEMM band weights (``True``) or in-graph precompute (``False``).
     groups : dict of str to tuple of str
-        The projections computed by one matmul: ``self_attn.qkv_proj`` and
-        ``mlp.gate_up_proj`` when fused, else one group per family.
-    blocks : int
-        ``G``, the same for every family.
+        The banded projections computed by one matmul: ``self_attn.qkv_proj`` and
+        ``mlp.gate_up_proj`` when fused, else one group per family. Families in other
+        forms (GEMM path only) are in :attr:`served`, not here.
+    blocks : int or None
+        ``G`` of the banded groups when they share one (always on the in-graph precompute
+        path); ``None`` when they differ or no family is banded.
     ranks : dict of str to int
-        ``r`` of each family (``0``: no correction stored).
+        The largest ``r`` of each family (``0``: no correction stored).
     custom_op : bool
         With ``gemm=False``: compute with attnquant-kernels' custom ops instead of
         forming ``W_eff`` (the tensors are the same; the serving path decides).
     fused_mlp : bool
         Custom op: one ``generated_mlp`` dispatch per MLP (``ATTNQUANT_FUSED_MLP``).
+    served : dict of str to tuple of Served
+        GEMM path: how each layer of each family is served (:mod:`attnquant_max._served`),
+        banded ones included; empty on the in-graph precompute path.
+    stacked : dict of str to tuple of int
+        GEMM path: the layers of each fused group that run one stacked first matmul
+        (``theta_in``).
     """
 
     gemm: bool
     groups: dict[str, tuple[str, ...]]
-    blocks: int
+    blocks: int | None
     ranks: dict[str, int]
     custom_op: bool = False
     fused_mlp: bool = True
+    served: dict[str, tuple[Served, ...]] = field(default_factory=dict)
+    stacked: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def fused(self) -> bool:
-        """Whether q/k/v and gate/up run as one group each."""
-        return any(len(members) > 1 for members in self.groups.values())
+        """Whether q/k/v and gate/up run as one group each (anywhere in the model)."""
+        return any(len(members) > 1 for members in self.groups.values()) or bool(self.stacked)
 
-    def group_of(self, family: str) -> str:
-        return next(g for g, members in self.groups.items() if family in members)
+    @property
+    def forms(self) -> dict[str, tuple[str, ...]]:
+        """GEMM path: the kind each layer of each family is served as."""
+        return {name: tuple(s.kind for s in how) for name, how in self.served.items()}
+
+    def group_of(self, family: str) -> str | None:
+        """The banded group ``family`` belongs to; ``None`` for a family in another form."""
+        return next((g for g, members in self.groups.items() if family in members), None)
+
+    def group_blocks(self, group: str) -> int:
+        """``G`` of a banded group."""
+        if not self.gemm:
+            assert self.blocks is not None
+            return self.blocks
+        return max(s.band for s in self.served[self.groups[group][0]]) + 1
 
     def keys(self, num_layers: int, *, stack: str = "layers") -> set[str]:
-        """Every theta tensor name a model of this layout reads."""
+        """Every theta tensor name a model of this layout reads (and every layer served dense)."""
         keys: set[str] = set()
         for group, members in self.groups.items():
-            for band in range(self.blocks):
+            for band in range(self.group_blocks(group)):
                 if self.gemm:
                     keys.add(gemm_band_key(group, band))
                 else:
                     keys.update(shared_key(m, band) for m in members)
-            for family in members:
-                parts = ["s"]
-                if self.ranks[family]:
-                    parts += ["U"] if self.gemm else ["U", "V"]
-                keys.update(
-                    theta_key(stack, i, family, p) for i in range(num_layers) for p in parts
-                )
+            if not self.gemm:
+                for family in members:
+                    parts = ["s"] + (["U", "V"] if self.ranks[family] else [])
+                    keys.update(
+                        theta_key(stack, i, family, p) for i in range(num_layers) for p in parts
+                    )
+        for group, layers in self.stacked.items():
+            keys.update(stacked_input_key(stack, i, group) for i in layers)
+        for family, how in self.served.items():
+            group = fused_group_of(family)
+            in_stack = self.stacked.get(group, ()) if group is not None else ()
+            for i, h in enumerate(how):
+                if h.kind == "banded":
+                    keys.add(theta_key(stack, i, family, "s"))
+                if h.kind in ("banded", "lowrank", "basis_in") and h.rank:
+                    keys.add(theta_key(stack, i, family, "U"))
+                if h.kind in ("lowrank", "basis_out") and i not in in_stack:
+                    keys.add(theta_key(stack, i, family, "V"))
+                if h.kind == "dense" and i not in in_stack:
+                    keys.add(f"{stack}.{i}.{family}.weight")
+                if h.kind.startswith("basis"):
+                    keys.add(basis_key(family, h.band))
         return keys
 
     @classmethod
@@ -226,12 +181,13 @@ class InGraphLayout:
 
         The GEMM band weights say themselves whether q/k/v are fused; on the
         in-graph precompute path ``fuse`` decides (one matmul over the
-        concatenated ``W_eff``, as the stock model does).
+        concatenated ``W_eff``, as the stock model does). On the GEMM path every family
+        without a band weight is read back layer by layer from its keys (module docstring).
 
         Raises
         ------
         ValueError
-            The theta names do not describe every family once, with one ``G``.
+            The theta names do not describe every family once.
         """
         gemm_bands: dict[str, set[int]] = {}
         shared_bands: dict[str, set[int]] = {}
@@ -242,36 +198,174 @@ class InGraphLayout:
             elif key.startswith("attnquant.shared.") and key.endswith(".W0"):
                 family, band = key[len("attnquant.shared.") : -len(".W0")].rsplit(".", 1)
                 shared_bands.setdefault(family, set()).add(int(band))
-        if not gemm_bands and not shared_bands:
+        if not gemm_bands and not shared_bands and not _has_factored(shapes, stack):
             return None
         if gemm_bands and shared_bands:
             raise ValueError("a state holds both GEMM band weights (W0V) and W0 blocks")
-        gemm = bool(gemm_bands)
-        bands = gemm_bands if gemm else shared_bands
-        if gemm:
-            groups = {g: FUSED_GROUPS.get(g, (g,)) for g in bands}
-        else:
-            groups = gemm_groups(list(families), fuse=fuse)
-        covered = [m for members in groups.values() for m in members]
-        named = set(groups) if gemm else set(families)
-        unknown = sorted((set(covered) - set(families)) | (set(bands) - named))
-        missing = sorted(set(families) - set(covered if gemm else bands))
-        if missing or unknown or len(covered) != len(set(covered)):
+        if shared_bands:
+            return cls._precompute(shapes, families, shared_bands, fuse=fuse, stack=stack)
+        return cls._gemm(shapes, families, gemm_bands, stack=stack)
+
+    @classmethod
+    def _precompute(
+        cls,
+        shapes: Mapping[str, Sequence[int]],
+        families: Sequence[str],
+        bands: dict[str, set[int]],
+        *,
+        fuse: bool,
+        stack: str,
+    ) -> InGraphLayout:
+        other = sorted(k for k in shapes if k.endswith((".theta_in", ".basis")))
+        if other:
+            raise ValueError(
+                f"the in-graph precompute state holds tensors of other forms: {other[:4]}"
+            )
+        groups = gemm_groups(list(families), fuse=fuse)
+        unknown = sorted(set(bands) - set(families))
+        missing = sorted(set(families) - set(bands))
+        if missing or unknown:
             raise ValueError(
                 f"the in-graph state does not hold each projection family once: "
                 f"missing {missing}, unexpected {unknown}"
             )
-        counts = {name: len(seen) for name, seen in bands.items()}
-        for name, seen in bands.items():
-            if seen != set(range(len(seen))):
-                raise ValueError(f"{name}: band weights {sorted(seen)} are not 0..G-1")
+        counts = _check_bands(bands)
         if len(set(counts.values())) != 1:
             raise ValueError(f"the families have different numbers of bands: {counts}")
         ranks = {}
         for family in families:
-            U = shapes.get(f"{stack}.0.{family}.theta_U")
+            U = shapes.get(theta_key(stack, 0, family, "U"))
             ranks[family] = int(U[1]) if U is not None else 0
         for group, members in groups.items():
             if len({ranks[m] for m in members}) != 1:
                 raise ValueError(f"{group}: {', '.join(members)} have different ranks")
-        return cls(gemm=gemm, groups=groups, blocks=counts.popitem()[1], ranks=ranks)
+        return cls(gemm=False, groups=groups, blocks=counts.popitem()[1], ranks=ranks)
+
+    @classmethod
+    def _gemm(
+        cls,
+        shapes: Mapping[str, Sequence[int]],
+        families: Sequence[str],
+        bands: dict[str, set[int]],
+        *,
+        stack: str,
+    ) -> InGraphLayout:
+        groups = {g: FUSED_GROUPS.get(g, (g,)) for g in bands}
+        covered = [m for members in groups.values() for m in members]
+        unknown = sorted((set(covered) - set(families)) | (set(bands) - set(groups)))
+        if unknown or len(covered) != len(set(covered)):
+            raise ValueError(
+                f"the in-graph state's band weights do not name each projection family once: "
+                f"unexpected {unknown}, covered {sorted(covered)}"
+            )
+        counts = _check_bands(bands)
+        num_layers = _num_layers(shapes, stack)
+        served: dict[str, tuple[Served, ...]] = {}
+        for group, members in groups.items():
+            band_of = band_of_layers(num_layers, counts[group])
+            for family in members:
+                served[family] = tuple(
+                    Served("banded", _width(shapes.get(theta_key(stack, i, family, "U"))), b)
+                    for i, b in enumerate(band_of)
+                )
+        stacked: dict[str, tuple[int, ...]] = {}
+        for group in FUSED_GROUPS:
+            layers = tuple(
+                i for i in range(num_layers) if stacked_input_key(stack, i, group) in shapes
+            )
+            if layers:
+                stacked[group] = layers
+        missing = []
+        for family in families:
+            if family in served:
+                continue
+            how = _read_factored(shapes, family, num_layers, stacked, stack)
+            if how is None:
+                missing.append(family)
+            else:
+                served[family] = how
+        if missing:
+            raise ValueError(
+                f"the in-graph state does not hold each projection family once: missing {missing}"
+            )
+        Gs = set(counts.values())
+        return cls(
+            gemm=True,
+            groups=groups,
+            blocks=Gs.pop() if len(Gs) == 1 else None,
+            ranks={f: max(s.rank for s in how) for f, how in served.items()},
+            served=served,
+            stacked=stacked,
+        )
+
+
+def _width(shape: Sequence[int] | None) -> int:
+    return int(shape[1]) if shape is not None else 0
+
+
+def _check_bands(bands: Mapping[str, set[int]]) -> dict[str, int]:
+    for name, seen in bands.items():
+        if seen != set(range(len(seen))):
+            raise ValueError(f"{name}: band weights {sorted(seen)} are not 0..G-1")
+    return {name: len(seen) for name, seen in bands.items()}
+
+
+def _num_layers(shapes: Mapping[str, Sequence[int]], stack: str) -> int:
+    pattern = re.compile(rf"^{re.escape(stack)}\.(\d+)\.")
+    layers = [int(m[1]) for key in shapes if (m := pattern.match(key))]
+    if not layers:
+        raise ValueError(f"the in-graph state has no tensor under {stack}.<i>.")
+    return max(layers) + 1
+
+
+def _has_factored(shapes: Mapping[str, Sequence[int]], stack: str) -> bool:
+    """Whether the state holds a theta tensor of a family in another form than banded."""
+    return any(
+        (key.startswith(f"{stack}.") and ".theta_" in key)
+        or (key.startswith("attnquant.shared.") and key.endswith(".basis"))
+        for key in shapes
+    )
+
+
+def _read_factored(
+    shapes: Mapping[str, Sequence[int]],
+    family: str,
+    num_layers: int,
+    stacked: Mapping[str, tuple[int, ...]],
+    stack: str,
+) -> tuple[Served, ...] | None:
+    """How each layer of a family without a band weight is served, read from its keys;
+    ``None`` when the state holds nothing of it."""
+    bases = []
+    while (B := shapes.get(basis_key(family, len(bases)))) is not None:
+        bases.append(B)
+    band_of = band_of_layers(num_layers, len(bases)) if bases else [0] * num_layers
+    group = fused_group_of(family)
+    in_stack = stacked.get(group, ()) if group is not None else ()
+    how: list[Served] = []
+    for i in range(num_layers):
+        U, V = (shapes.get(theta_key(stack, i, family, p)) for p in ("U", "V"))
+        W = shapes.get(f"{stack}.{i}.{family}.weight")
+        if shapes.get(theta_key(stack, i, family, "s")) is not None:
+            raise ValueError(f"{family}: layer {i} holds theta_s but no band weight W0V")
+        b = band_of[i]
+        if i in in_stack:
+            V = (0, 0) if U is not None or bases else None  # its V^T rows are in theta_in
+            W = None if V is not None else (0, 0)
+        if W is not None:
+            how.append(Served("dense"))
+        elif U is not None and V is not None and not bases:
+            how.append(Served("lowrank", int(U[1])))
+        elif bases and (U is not None) != (V is not None):
+            kind = "basis_in" if U is not None else "basis_out"
+            how.append(Served(kind, int(bases[b][1]), b))
+        elif U is None and V is None and not bases:
+            how.append(Served("zero"))
+        else:
+            raise ValueError(
+                f"{family}: layer {i} holds a set of tensors no form has "
+                f"(theta_U {U}, theta_V {V}, weight {W}, {len(bases)} bases)"
+            )
+    if all(h.kind == "zero" for h in how):
+        return None
+    return tuple(how)

@@ -36,7 +36,6 @@ from attnquant_core import (
     FAMILIES,
     MANIFEST_FILE,
     CheckpointError,
-    FamilyTheta,
     ThetaCheckpoint,
     decompose_family,
     dtype_from_name,
@@ -126,6 +125,8 @@ class ServingPlan:
         A theta checkpoint's form per family (``banded``, ``lowrank``,
         ``shared_basis``); empty for a dense checkpoint. ``blocks`` is ``None``
         when the families do not share one banded ``G``.
+    reason : str or None
+        Why the path was chosen, when not from ``ATTNQUANT_*`` and the accelerator alone.
     """
 
     model_path: Path
@@ -136,6 +137,7 @@ class ServingPlan:
     path: ServingPath = "precompute-outside"
     accelerator_api: str | None = None
     forms: dict[str, str] = field(default_factory=dict)
+    reason: str | None = None
     config: AttnquantConfig = field(repr=False)
 
     @property
@@ -158,6 +160,8 @@ class ServingPlan:
         return self.path in ("gemm", "precompute", "custom-op")
 
     def _why(self) -> str:
+        if self.reason is not None:
+            return self.reason
         if self.path == "precompute":
             return "ATTNQUANT_PRECOMPUTE=1"
         if self.config.gemm is not None:
@@ -191,7 +195,12 @@ class ServingPlan:
                     else "one generated_linear per projection (ATTNQUANT_FUSED_MLP=0)"
                 )
             else:
-                how_fused = "fused" if self.config.qkv_fuse else "separate (ATTNQUANT_QKV_FUSE=0)"
+                mixed = any(form != "banded" for form in self.forms.values())
+                how_fused = (
+                    ("fused where the forms allow" if mixed else "fused")
+                    if self.config.qkv_fuse
+                    else "separate (ATTNQUANT_QKV_FUSE=0)"
+                )
                 fused = f"q/k/v and gate/up {how_fused}"
             return (
                 f"attnquant: serving {where} on the {PATH_DESCRIPTIONS[self.path]}; {fused}; "
@@ -211,12 +220,13 @@ class ServingPlan:
 
         The checkpoint's other tensors (embeddings, norms, head), then the
         theta tensors of :func:`attnquant_max._layout.ingraph_tensors`: ``W0V``
-        band weights on the GEMM path, ``W0`` and ``theta_V`` on the
-        in-graph precompute path. A dense checkpoint is decomposed here, with
+        band weights and every other form's factors (or, where they are not smaller,
+        the layer's dense weight rebuilt once) on the GEMM path, ``W0`` and ``theta_V`` on
+        the in-graph precompute path. A dense checkpoint is decomposed here, with
         ``G``, ``r`` of the plan (passthrough: ``W0 = W``, ``s = 1``, no correction).
         Every family is held in memory at once (q/k/v share band weights).
         """
-        families: dict[str, FamilyTheta] = {}
+        families: dict[str, Any] = {}
         dtypes: dict[str, np.dtype] = {}
         if self.source == "theta":
             ckpt = ThetaCheckpoint.open(self.model_path, blocks=self.config.blocks)
@@ -224,7 +234,7 @@ class ServingPlan:
                 yield key, ckpt.tensors.get(key)
             stack = ckpt.stack
             for name, fam in ckpt.families.items():
-                families[name] = ckpt.family(name)
+                families[name] = ckpt.family_theta(name)
                 dtypes[name] = dtype_from_name(fam.get("source_dtype", fam["dtype"]))
         else:
             dense = open_checkpoint(self.model_path)
@@ -342,16 +352,15 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
     if is_theta_checkpoint(path):
         ckpt = ThetaCheckpoint.open(path, blocks=config.blocks)
         forms = ckpt.forms
-        if how["path"] != "precompute-outside" and (
-            ckpt.blocks is None or any(form != "banded" for form in forms.values())
-        ):
-            other = sorted({f"{n}: {f}" for n, f in forms.items() if f != "banded"})
-            raise NotImplementedError(
-                f"{path}: the {how['path']} path (in-graph theta) serves banded families with "
-                f"one G; this checkpoint has {', '.join(other) or 'families with different G'}. "
-                "Serve it with ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_PRECOMPUTE=0 (the "
-                "defaults), which rebuild every form once at load"
+        other = ckpt.blocks is None or any(form != "banded" for form in forms.values())
+        if how["path"] == "custom-op" and config.gemm is None and other:
+            # Auto selection: the custom op serves banded families with one G only.
+            how["path"] = "gemm"
+            how["reason"] = (
+                f"ATTNQUANT_PRECOMPUTE_OUTSIDE=0, ATTNQUANT_GEMM unset and accelerator API "
+                f"{api!r}, and forms the custom op does not serve"
             )
+        _refuse_forms_off_gemm(path, how["path"], forms, ckpt.blocks)
         _refuse_grouped_in_graph(
             path, how["path"], [n for n, f in ckpt.families.items() if "layers" in f]
         )
@@ -405,6 +414,24 @@ def _refuse_grouped_in_graph(path: Path, serving: str, grouped: list[str]) -> No
         f"layers; this model's layers differ in shape ({', '.join(grouped)}). Serve it with "
         "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_PRECOMPUTE=0 (the defaults), which "
         "rebuild every family once at load"
+    )
+
+
+def _refuse_forms_off_gemm(
+    path: Path, serving: str, forms: Mapping[str, str], blocks: int | None
+) -> None:
+    """The in-graph precompute and custom-op paths serve banded families with one ``G``; the
+    GEMM path serves every form. Refused in one line naming each family and its form."""
+    if serving not in ("precompute", "custom-op"):
+        return
+    other = sorted(f"{n} ({f})" for n, f in forms.items() if f != "banded")
+    if not other and blocks is not None:
+        return
+    what = ", ".join(other) if other else "banded families with different G"
+    raise NotImplementedError(
+        f"{path}: the {serving} path serves banded families with one G only; this checkpoint "
+        f"has {what}. Serve it on the GEMM path (ATTNQUANT_PRECOMPUTE_OUTSIDE=0 "
+        "ATTNQUANT_GEMM=1), or rebuild it at load with ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
     )
 
 
@@ -770,11 +797,12 @@ class ThetaWeightAdapter:
                 FAMILIES,
                 fuse=plan.config.qkv_fuse,
             )
-            if layout is None:
+            if layout is None and plan.path != "gemm":
                 raise WeightKeyError(f"{plan.model_path}: the in-graph state holds no theta tensor")
-            num_layers = int(getattr(huggingface_config, "num_hidden_layers", plan.num_layers))
-            theta = layout.keys(num_layers)
-            expected = {k for k in expected if not k.endswith(_PROJECTION_WEIGHTS)}
+            if layout is not None:  # GEMM with every layer served dense: the stock model
+                num_layers = int(getattr(huggingface_config, "num_hidden_layers", plan.num_layers))
+                theta = layout.keys(num_layers)
+                expected = {k for k in expected if not k.endswith(_PROJECTION_WEIGHTS)}
         check_state_keys(out, expected, model_path=plan.model_path, theta=theta)
         return out
 

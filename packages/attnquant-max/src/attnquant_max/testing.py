@@ -36,6 +36,7 @@ __all__ = [
     "TINY_RANK",
     "TINY_SERVING",
     "VOCAB",
+    "gemm_weight_bytes",
     "graph_lock",
     "load_tiny",
     "tiny_llama_tensors",
@@ -189,3 +190,33 @@ def write_tiny_bundle(dense: Path, out: Path, *, rank: int = TINY_RANK, seed: in
     model = ThetaModel(families=families, stack=ckpt.stack, extra=tensors)
     save_theta(model, out, config=config, source_dir=dense)
     return out
+
+
+def gemm_weight_bytes(theta: Path) -> int:
+    """The bytes a theta checkpoint's model holds on the GEMM path: every tensor the checkpoint
+    stores, except that a layer served dense (:func:`attnquant_max._served.served_layers`: its
+    factors are not smaller) holds its dense weight instead of its factors. A shared-basis band
+    of width 0 (held as one zero column) is not counted; the checkpoints of the tests have none.
+    """
+    from attnquant_core import ThetaCheckpoint
+
+    from ._served import served_layers
+
+    ckpt = ThetaCheckpoint.open(theta)
+    total = sum(
+        a.nbytes
+        for f in theta.glob("*.safetensors")
+        for a in safetensors.numpy.load_file(f).values()
+    )
+    for name in ckpt.families:
+        fam = ckpt.family_theta(name)
+        how = served_layers(fam)
+        out_dim, in_dim = fam.shape
+        itemsize = np.dtype(fam.dtype).itemsize
+        dense = [i for i, h in enumerate(how) if h.kind == "dense"]
+        total += len(dense) * out_dim * in_dim * itemsize
+        if fam.form == "lowrank":
+            total -= sum(fam.U[i].nbytes + fam.V[i].nbytes for i in dense)
+        elif fam.form == "shared_basis" and dense:  # all layers or none
+            total -= sum(a.nbytes for a in fam.arrays())
+    return total
