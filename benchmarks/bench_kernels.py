@@ -23,6 +23,11 @@ table gives medians and custom/GEMM (geometric mean of the within-pair ratios, <
 custom op is faster) with a bootstrap-over-pairs 95% CI, as ``attnquant bench`` computes it
 (``attnquant_core.paired_ratio``), and the machine's load during each case.
 
+``--sections nvfp4`` (both sections run by default) times one NVFP4 projection of Llama-like
+shapes instead: the fused ``generated_linear_nvfp4`` op against dequantize-in-graph-then-matmul
+(today's ``ATTNQUANT_QUANT=nvfp4``) and the float32 matmul, with the weight bytes each moves and
+their roofline over a measured memory bandwidth (``benchmarks/kernels_nvfp4.py``; CPU only).
+
 On the CPU by default. ``--device gpu`` builds both graphs on ``DeviceRef.GPU()`` (MAX compiles
 the kernels' GPU variant and its own GPU matmuls), keeps every input on the accelerator, and
 waits for the device (``synchronize``) before each sample's clock stops. There a path that
@@ -190,6 +195,16 @@ def main() -> None:
     )
     parser.add_argument("--inner", type=int, default=10, help="executions averaged per sample")
     parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=("theta", "nvfp4"),
+        default=["theta", "nvfp4"],
+        help="theta: one layer, custom op vs GEMM; nvfp4: one NVFP4 projection (CPU only)",
+    )
+    parser.add_argument(
+        "--bandwidth-mib", type=int, default=1024, help="array copied to measure bandwidth"
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "gpu"),
         default="cpu",
@@ -223,10 +238,14 @@ def main() -> None:
     failures: list[str] = []
     rng = np.random.default_rng(1)
     cases, compile_s = [], {}
-    print(
-        f"{'rank':>4} {'batch':>5} {'custom ms':>10} {'GEMM ms':>10} "
-        f"{'custom/GEMM':>11} {'95% CI':>17}  load"
-    )
+    nvfp4: dict = {}
+    if "theta" not in args.sections:
+        args.ranks = []
+    else:
+        print(
+            f"{'rank':>4} {'batch':>5} {'custom ms':>10} {'GEMM ms':>10} "
+            f"{'custom/GEMM':>11} {'95% CI':>17}  load"
+        )
     for rank in args.ranks:
         theta = make_theta(rank)
         models, inputs = {}, {}
@@ -296,14 +315,37 @@ def main() -> None:
             )
             if args.out:
                 write_results(args, device, compile_s, cases, failures)
+    if "nvfp4" in args.sections and on_gpu:
+        print("the nvfp4 section runs on the CPU only; skipped")
+    elif "nvfp4" in args.sections:
+        from kernels_nvfp4 import run_section
+
+        nvfp4_cases: list[dict] = []
+
+        def on_case(case: dict) -> None:
+            nvfp4_cases.append(case)
+            if args.out:
+                write_results(args, device, compile_s, cases, failures, {"cases": nvfp4_cases})
+
+        nvfp4 = run_section(
+            session,
+            batches=args.batches,
+            repetitions=args.repetitions,
+            inner=args.inner,
+            bandwidth_mib=args.bandwidth_mib,
+            compile_s=compile_s,
+            on_case=on_case,
+        )
     print("compile + load (s): " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     if args.out:
-        write_results(args, device, compile_s, cases, failures)
+        write_results(args, device, compile_s, cases, failures, nvfp4)
     if failures:
         raise SystemExit(f"{len(failures)} correctness check(s) failed: " + "; ".join(failures))
 
 
-def write_results(args, device, compile_s: dict, cases: list, failures: list[str]) -> None:
+def write_results(
+    args, device, compile_s: dict, cases: list, failures: list[str], nvfp4: dict | None = None
+) -> None:
     """The JSON results file (``--out``), rewritten after every case."""
     machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     if args.device == "gpu":
@@ -335,6 +377,7 @@ def write_results(args, device, compile_s: dict, cases: list, failures: list[str
         "compile_load_s": compile_s,
         "correctness_failures": failures,
         "cases": cases,
+        "nvfp4": nvfp4 or {},
     }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
 

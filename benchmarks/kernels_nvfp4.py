@@ -1,0 +1,204 @@
+"""The NVFP4 section of ``bench_kernels.py``: one projection held as NVFP4, three ways.
+
+Shapes of a Llama-like model, ``(out, in)``: 2048x2048 (attention), 8192x2048 (gate/up),
+2048x8192 (down); batch (tokens) 1 and 16; float32 activations; the weights are graph inputs,
+every weight dimension static and the batch symbolic (one compiled graph per path and shape,
+cached by MAX across runs).
+
+* ``fused``: ``generated_linear_nvfp4`` (attnquant-kernels), the packed codes decoded inside
+  the dot product: reads ``out * in * 9/16`` weight bytes per step (codes and E4M3 scales).
+* ``deq``: what ``ATTNQUANT_QUANT=nvfp4`` serves today (``attnquant_max._nvfp4_layers``):
+  ``dequantize_in_graph`` rebuilds ``W`` in float32 with two gathers and a multiply on every
+  forward, then the stock matmul: reads the packed bytes, writes and reads ``W`` (at least
+  ``out * in * (9/16 + 8)`` bytes).
+* ``f32``: the stock float32 matmul ``x @ W^T`` over the same (dequantized) weight: ``4 out in``.
+
+Timing as the rest of the script: samples of ``inner`` back-to-back executions, ``fused`` paired
+(ABBA) with each of the other two, ratios by :func:`attnquant_core.paired_ratio` (< 1: fused
+faster). The roofline of a path is its weight bytes over the memory bandwidth measured here with
+a numpy copy of a large array (bytes read plus written over the copy time; numpy copies on one
+thread, the kernels run on every core, so the roofline is a single-thread one). Every path is
+checked against ``x @ dequantize(W)^T`` (numpy, float64) to 1e-4 before it is timed. CPU only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from attnquant_kernels.testing import max_rel_error, nvfp4_dequantize, nvfp4_random
+
+#: ``(out, in)`` of the projections timed.
+SHAPES: tuple[tuple[int, int], ...] = ((2048, 2048), (8192, 2048), (2048, 8192))
+PATHS = ("fused", "deq", "f32")
+
+
+def weight_bytes(path: str, out_dim: int, in_dim: int) -> int:
+    """Weight bytes one execution of ``path`` moves (reads, plus the ``deq`` path's write)."""
+    packed = out_dim * in_dim // 2 + out_dim * in_dim // 16 + 4
+    dense = 4 * out_dim * in_dim
+    return {"fused": packed, "deq": packed + 2 * dense, "f32": dense}[path]
+
+
+def memory_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second of ``np.copyto`` over a ``mib`` MiB float32 array: the best of ``repeats``
+    copies, counting the bytes read and the bytes written."""
+    n = mib * (1 << 20) // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return 2 * src.nbytes / best
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def build_graph(path: str, out_dim: int, in_dim: int):
+    """One projection on ``path`` for ``x [batch, in]`` (float32), on the CPU."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from attnquant_kernels import kernels_path
+
+    dev = DeviceRef.CPU()
+    x_type = TensorType(DType.float32, ["batch", in_dim], device=dev)
+    name = f"nvfp4_{path}_{out_dim}x{in_dim}"
+    if path == "f32":
+        types = [x_type, TensorType(DType.float32, [out_dim, in_dim], device=dev)]
+        with Graph(name, input_types=types) as g:
+            x, W = (v.tensor for v in g.inputs)
+            g.output(x @ W.T)
+        return g
+    types = [
+        x_type,
+        TensorType(DType.uint8, [out_dim, in_dim // 2], device=dev),
+        TensorType(DType.uint8, [out_dim, in_dim // 16], device=dev),
+        TensorType(DType.float32, [1], device=dev),
+    ]
+    if path == "fused":
+        from attnquant_kernels.graph import generated_linear_nvfp4
+
+        with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as g:
+            x, w, ws, ws2 = (v.tensor for v in g.inputs)
+            g.output(generated_linear_nvfp4(x, w, ws, ws2))
+        return g
+    from attnquant_max._nvfp4_layers import dequantize_in_graph
+
+    with Graph(name, input_types=types) as g:
+        x, w, ws, ws2 = (v.tensor for v in g.inputs)
+        g.output(x @ dequantize_in_graph(w, ws, ws2, DType.float32).T)
+    return g
+
+
+def run_section(
+    session: Any,
+    *,
+    batches: list[int],
+    repetitions: int,
+    inner: int,
+    bandwidth_mib: int,
+    compile_s: dict[str, float],
+    on_case: Callable[[dict], None],
+) -> dict:
+    """Time every shape and batch; ``on_case`` gets each case's record as it is measured."""
+    from max.driver import Buffer
+
+    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
+
+    bandwidth = memory_bandwidth(bandwidth_mib)
+    print(f"\nNVFP4 projection; memory bandwidth (numpy copy): {bandwidth / 1e9:.2f} GB/s")
+    print(
+        f"{'out x in':>11} {'batch':>5} {'fused ms':>9} {'deq ms':>9} {'f32 ms':>9} "
+        f"{'fused/deq':>22} {'fused/f32':>22} {'roofline ms f/d/f32':>20}  load"
+    )
+    rng = np.random.default_rng(5)
+    cases = []
+    for out_dim, in_dim in SHAPES:
+        packed = nvfp4_random(rng, out_dim, in_dim)
+        W = nvfp4_dequantize(*packed)
+        arrays = {"fused": list(packed), "deq": list(packed), "f32": [W]}
+        models, inputs = {}, {}
+        for path in PATHS:
+            t0 = time.perf_counter()
+            models[path] = session.load(build_graph(path, out_dim, in_dim))
+            compile_s[f"nvfp4_{path}_{out_dim}x{in_dim}"] = time.perf_counter() - t0
+            inputs[path] = [Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays[path]]
+        for batch in batches:
+            x = rng.standard_normal((batch, in_dim), dtype=np.float32)
+            xb = Buffer.from_numpy(x)
+            ref = x.astype(np.float64) @ W.T.astype(np.float64)
+            errors = {}
+            for path, model in models.items():
+                got = model.execute(xb, *inputs[path])[0].to_numpy()
+                errors[path] = max_rel_error(got, ref)
+                if not errors[path] <= 1e-4:
+                    raise SystemExit(
+                        f"nvfp4 {path} {out_dim}x{in_dim} batch={batch}: rel. error "
+                        f"{errors[path]:.2e}"
+                    )
+
+            def timer(path: str, xb=xb, models=models, inputs=inputs) -> Callable[[], float]:
+                model, ins = models[path], inputs[path]
+
+                def run() -> float:
+                    t0 = time.perf_counter()
+                    for _ in range(inner):
+                        model.execute(xb, *ins)
+                    return (time.perf_counter() - t0) / inner
+
+                return run
+
+            before = read_load()
+            vs_deq = run_paired(timer("fused"), timer("deq"), pairs=repetitions, warmup=1)
+            vs_f32 = run_paired(timer("fused"), timer("f32"), pairs=repetitions, warmup=1)
+            load = machine_load(before)
+            samples = {
+                "fused": list(vs_deq.a) + list(vs_f32.a),
+                "deq": list(vs_deq.b),
+                "f32": list(vs_f32.b),
+            }
+            med = {p: float(np.median(v)) * 1e3 for p, v in samples.items()}
+            r_deq = paired_ratio(list(vs_deq.a), list(vs_deq.b))
+            r_f32 = paired_ratio(list(vs_f32.a), list(vs_f32.b))
+            nbytes = {p: weight_bytes(p, out_dim, in_dim) for p in PATHS}
+            roof = {p: nbytes[p] / bandwidth * 1e3 for p in PATHS}
+            case = {
+                "out": out_dim,
+                "in": in_dim,
+                "batch": batch,
+                "median_ms": med,
+                "fused_over_deq": r_deq.to_json(),
+                "fused_over_f32": r_f32.to_json(),
+                "weight_bytes": nbytes,
+                "weight_bytes_per_token": {p: b / batch for p, b in nbytes.items()},
+                "roofline_ms": roof,
+                "pairs": repetitions,
+                "order": {"vs_deq": vs_deq.order_string(), "vs_f32": vs_f32.order_string()},
+                "load": load.to_json(),
+                "max_rel_error": errors,
+                "samples_s": samples,
+            }
+            cases.append(case)
+            ratios = [
+                f"{r.ratio:.3f} [{r.low:.3f}, {r.high:.3f}]".rjust(22) for r in (r_deq, r_f32)
+            ]
+            roofs = "/".join(f"{roof[p]:.2f}" for p in PATHS)
+            print(
+                f"{out_dim:>5}x{in_dim:<5} {batch:>5} {med['fused']:>9.3f} {med['deq']:>9.3f} "
+                f"{med['f32']:>9.3f} {ratios[0]} {ratios[1]} {roofs:>20}  {load.describe()}"
+            )
+            on_case(case)
+    return {
+        "memory_bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_method": f"np.copyto of {bandwidth_mib} MiB, (read + written) / best time",
+        "ratio": "fused/other latency (geometric mean of within-pair ratios, ABBA pairs, "
+        "bootstrap over pairs 95% CI); < 1: the fused NVFP4 op faster",
+        "cases": cases,
+    }
