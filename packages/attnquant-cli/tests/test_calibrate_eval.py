@@ -112,7 +112,19 @@ def test_eval_judges_theta_checkpoints_against_the_base(tmp_path: Path, capsys) 
     assert cli(["decompose", "demo", "-o", str(lossy), "--blocks", "1", "--rank", "4"]) == 0
     capsys.readouterr()
     rc = cli(
-        ["eval", "demo", str(exact), str(lossy), "--seq-len", "16", "--samples", "2", "--json"]
+        [
+            "eval",
+            "demo",
+            str(exact),
+            str(lossy),
+            "--seq-len",
+            "16",
+            "--samples",
+            "2",
+            "--forward",
+            "numpy",
+            "--json",
+        ]
     )
     assert rc == 0
     got = _json(capsys)

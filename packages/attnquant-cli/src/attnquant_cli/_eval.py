@@ -1,9 +1,18 @@
 """``attnquant eval``: judge checkpoints by function on held-out text.
 
-Perplexity, top-1 agreement with BASE and mean KL(BASE || checkpoint) per token, through
-attnquant-core's numpy forward (layer by layer; a theta checkpoint's projections are rebuilt
-dense through core's public API). MAX is not used: its prompt log-probabilities are not
-compared here, so every figure comes from one exact reference forward.
+Perplexity, top-1 agreement with BASE and mean KL(BASE || checkpoint) per token, through one
+of two forwards (``--forward``):
+
+* ``max``: MAX itself, built with ``enable_echo`` so that its graph returns the logits of
+  every prompt position, with prefix caching and chunked prefill off
+  (:func:`attnquant_max.evaluate_max`); the full distributions are read, so all three figures
+  come from MAX;
+* ``numpy``: attnquant-core's layer-by-layer numpy forward (theta checkpoints rebuilt dense),
+  float32 or ``--float64``; it also runs architectures MAX does not run on this device.
+
+``auto`` (the default) takes MAX where every checkpoint's architecture runs there on
+``--devices`` and numpy otherwise (and for ``--float64``); the table title and the JSON say which
+forward produced the figures, and why.
 """
 
 from __future__ import annotations
@@ -11,7 +20,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
 import typer
@@ -22,7 +32,7 @@ from attnquant_core.calib import DEFAULT_SEQ_LEN, EvalResult, evaluate, open_sou
 from ._calibrate import DataOption, data_windows, default_data, layer_progress, resolve_model
 from ._console import Output
 
-__all__ = ["eval_table", "evaluate_command"]
+__all__ = ["choose_forward", "eval_table", "evaluate_command"]
 
 console = Output(stderr=True)
 out = Output()
@@ -44,6 +54,35 @@ def eval_table(results: list[EvalResult], *, title: str, names: list[str] | None
     return table
 
 
+Forward = Literal["auto", "max", "numpy"]
+
+
+def choose_forward(
+    forward: str, paths: list[Path], *, devices: str, float64: bool
+) -> tuple[str, str]:
+    """``("max" | "numpy", why)`` for ``--forward`` over these checkpoints; a ``max`` that
+    cannot be done is a one-line ``ValueError`` (DESIGN §7)."""
+    if forward not in ("auto", "max", "numpy"):
+        raise typer.BadParameter(f"--forward {forward!r}: choose auto, max or numpy")
+    if forward == "numpy":
+        return "numpy", "--forward numpy"
+    if float64:
+        if forward == "max":
+            raise ValueError("--forward max with --float64: MAX computes in float32; use numpy")
+        return "numpy", "--float64: MAX computes in float32"
+    try:
+        from attnquant_max import max_unavailable
+    except ImportError as exc:  # attnquant-max without MAX, or not installed
+        reasons = [f"attnquant-max cannot be imported ({exc})"]
+    else:
+        reasons = [r for r in (max_unavailable(p, devices) for p in paths) if r is not None]
+    if not reasons:
+        return "max", f"--forward {forward}: every checkpoint runs in MAX on {devices}"
+    if forward == "max":
+        raise ValueError(f"--forward max: {reasons[0]}")
+    return "numpy", f"auto: {reasons[0]}"
+
+
 def evaluate_command(
     base: Annotated[str, typer.Argument(help="The reference checkpoint (or 'demo').")],
     checkpoints: Annotated[
@@ -58,7 +97,20 @@ def evaluate_command(
     float64: Annotated[
         bool, typer.Option("--float64", help="Run the forward in float64 (default float32).")
     ] = False,
-    batch: Annotated[int, typer.Option(min=1, help="Windows per forward batch.")] = 8,
+    batch: Annotated[
+        int, typer.Option(min=1, help="Windows per forward batch (numpy forward).")
+    ] = 8,
+    forward: Annotated[
+        str,
+        typer.Option(
+            help="auto (MAX where every checkpoint runs there on --devices, else numpy), max "
+            "(all-position logits of an echo-built MAX model) or numpy (attnquant-core's "
+            "reference forward)."
+        ),
+    ] = "auto",
+    devices: Annotated[
+        str, typer.Option(help="MAX devices for --forward max/auto: cpu, gpu, gpu:0.")
+    ] = "cpu",
     json_output: Annotated[
         bool,
         typer.Option(
@@ -69,13 +121,14 @@ def evaluate_command(
     """Perplexity, top-1 agreement with BASE and KL(BASE || it) for BASE and each checkpoint.
 
     Held-out text: --data, or for the demo model a shipped sample it was not trained on.
-    Every window of --seq-len tokens predicts its next tokens; the forward is attnquant-core's
-    numpy reference (theta checkpoints rebuilt dense), not MAX.
+    Every window of --seq-len tokens predicts its next tokens, through MAX or attnquant-core's
+    numpy forward (--forward; the output says which).
     """
     base_path, is_demo = resolve_model(base)
     paths = [base_path] + [resolve_model(c)[0] for c in checkpoints or []]
     names = [base, *(checkpoints or [])]
     texts = default_data(base_path, is_demo, data, "heldout")
+    chosen, why = choose_forward(forward, paths, devices=devices, float64=float64)
     started = time.perf_counter()
     sources = [open_source(p) for p in paths]
     max_len = int(sources[0].config.get("max_position_embeddings") or seq_len)
@@ -85,19 +138,38 @@ def evaluate_command(
     )
     dtype = np.float64 if float64 else np.float32
     with layer_progress() as progress:
-        tasks = {
-            str(s.path): progress.add_task(s.path.name[-26:], total=s.num_layers) for s in sources
-        }
-        results = evaluate(
-            sources,
-            windows,
-            dtype=dtype,
-            batch=batch,
-            progress=lambda name, done, total: progress.update(tasks[name], completed=done),
-        )
+        if chosen == "max":
+            from attnquant_max import evaluate_max
+
+            tasks = {
+                str(p): progress.add_task(f"MAX {p.name[-22:]}", total=len(windows)) for p in paths
+            }
+            results = evaluate_max(
+                paths,
+                windows,
+                devices=devices,
+                progress=lambda name, done, total: progress.update(tasks[name], completed=done),
+            )
+        else:
+            tasks = {
+                str(s.path): progress.add_task(s.path.name[-26:], total=s.num_layers)
+                for s in sources
+            }
+            results = evaluate(
+                sources,
+                windows,
+                dtype=dtype,
+                batch=batch,
+                progress=lambda name, done, total: progress.update(tasks[name], completed=done),
+            )
     wall = time.perf_counter() - started
+    engine = (
+        f"MAX on {devices} (echo model, full logits)"
+        if chosen == "max"
+        else f"numpy forward ({np.dtype(dtype).name})"
+    )
     how = (
-        f"numpy forward ({np.dtype(dtype).name}), {windows.shape[0]} window(s) x "
+        f"{engine}, {windows.shape[0]} window(s) x "
         f"{windows.shape[1]} tokens of {stream_len} held-out tokens, "
         f"{results[0].tokens} predictions; {wall:.1f} s"
     )
@@ -106,8 +178,16 @@ def evaluate_command(
     )
     if json_output:
         payload = {
-            "forward": "numpy",
-            "dtype": np.dtype(dtype).name,
+            "forward": chosen,
+            "forward_why": why,
+            "devices": devices if chosen == "max" else None,
+            "dtype": (
+                np.dtype(dtype).name
+                if chosen == "numpy"
+                else "float32"
+                if devices.strip().lower().startswith("cpu")
+                else "MAX's default encoding for the checkpoint"
+            ),
             "data": [str(p) for p in texts],
             "windows": int(windows.shape[0]),
             "seq_len": int(windows.shape[1]),
@@ -116,6 +196,7 @@ def evaluate_command(
             "results": [
                 {
                     **r.as_dict,
+                    "forward": {k: chosen for k in ("perplexity", "top1_agreement", "kl")},
                     "name": name,
                     "perplexity_ratio": r.perplexity / results[0].perplexity,
                 }

@@ -31,6 +31,14 @@ from ._config import (
     serving_path,
     use_gemm_formulation,
 )
+from ._eval import (
+    ECHO_OVERRIDES,
+    evaluate_max,
+    load_echo_pipeline,
+    max_unavailable,
+    planned_length,
+    window_logprobs,
+)
 from ._export import ExportProgress, export_nvfp4
 from ._generate import (
     AGREEMENT_THRESHOLD,
@@ -108,6 +116,13 @@ __all__ = [
     "max_entrypoint",
     "serve_command",
     "serve_env",
+    # judging by function through MAX: all-position logits of an echo model
+    "ECHO_OVERRIDES",
+    "evaluate_max",
+    "load_echo_pipeline",
+    "max_unavailable",
+    "planned_length",
+    "window_logprobs",
     # in-process generation and logit parity
     "AGREEMENT_THRESHOLD",
     "DELTA_THRESHOLD",

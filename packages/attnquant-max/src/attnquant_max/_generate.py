@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,6 +84,7 @@ def load_pipeline(
     devices: str = "cpu",
     quantization_encoding: str | None = None,
     config: AttnquantConfig | None = None,
+    overrides: Mapping[str, object] | None = None,
 ) -> LoadedModel:
     """Load ``model_path`` (theta or dense) through the attnquant MAX architectures.
 
@@ -101,6 +102,8 @@ def load_pipeline(
         ``float32`` on CPU when not given; MAX's default elsewhere.
     config : AttnquantConfig, optional
         Used for this load instead of the ``ATTNQUANT_*`` variables.
+    overrides : mapping, optional
+        More flat ``PipelineArgs`` fields for ``AutoModel`` (e.g. ``enable_echo``).
     """
     effective = AttnquantConfig.from_env() if config is None else config
     require_implemented(effective)
@@ -109,16 +112,15 @@ def load_pipeline(
         quantization_encoding = "float32"
     from max.pipelines import AutoModel, AutoTokenizer
 
-    overrides: dict[str, object] = {
+    fields: dict[str, object] = {
         "max_length": max_length,
         "custom_architectures": [str(architectures_path())],
     }
     if quantization_encoding is not None:
-        overrides["quantization_encoding"] = quantization_encoding
+        fields["quantization_encoding"] = quantization_encoding
+    fields.update(overrides or {})
     with config_override(effective):
-        model = AutoModel(
-            str(model_path), max_batch_size=max_batch_size, devices=devices, **overrides
-        )
+        model = AutoModel(str(model_path), max_batch_size=max_batch_size, devices=devices, **fields)
     tokenizer = AutoTokenizer(str(model_path))
     return LoadedModel(
         path=Path(model_path),

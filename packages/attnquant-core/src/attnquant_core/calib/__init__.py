@@ -46,7 +46,7 @@ from ..io._calibration import (
     write_stats,
 )
 from ._data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, read_texts, token_stream, token_windows
-from ._evaluate import EvalResult, evaluate
+from ._evaluate import EvalResult, EvalTally, evaluate
 from ._forward import (
     CalibrationReport,
     ModelSource,
@@ -101,5 +101,6 @@ __all__ = [
     "token_windows",
     # judging by function
     "EvalResult",
+    "EvalTally",
     "evaluate",
 ]

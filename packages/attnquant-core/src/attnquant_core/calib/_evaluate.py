@@ -22,7 +22,7 @@ from scipy.special import log_softmax
 
 from ._forward import ModelSource, final_hidden, output_head
 
-__all__ = ["EvalResult", "evaluate"]
+__all__ = ["EvalResult", "EvalTally", "evaluate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,44 @@ class EvalResult:
             "kl": self.kl,
             "tokens": self.tokens,
         }
+
+
+@dataclass
+class EvalTally:
+    """Running sums of one checkpoint's figures, window by window, from any forward.
+
+    :func:`evaluate` feeds it the numpy forward's log-probabilities; ``attnquant_max`` feeds
+    it MAX's. ``add`` takes one window's ``[T - 1, vocab]`` next-token log-probabilities.
+    """
+
+    checkpoint: str
+    nll: float = 0.0
+    kl: float = 0.0
+    agree: float = 0.0
+    count: int = 0
+
+    def add(self, lp: np.ndarray, targets: np.ndarray, lp_base: np.ndarray | None) -> None:
+        """One window: ``lp[t]`` predicts ``targets[t]``; ``lp_base`` is the base model's
+        (None: this checkpoint is the base, ``top1 = 1`` and ``kl = 0`` by definition)."""
+        n = len(targets)
+        self.nll -= float(lp[np.arange(n), targets].sum())
+        self.count += n
+        if lp_base is None:
+            self.agree += n
+            return
+        self.kl += float(np.sum(np.exp(lp_base) * (lp_base - lp)))
+        self.agree += float(np.count_nonzero(lp.argmax(-1) == lp_base.argmax(-1)))
+
+    def result(self) -> EvalResult:
+        count = max(self.count, 1)
+        return EvalResult(
+            checkpoint=self.checkpoint,
+            perplexity=math.exp(self.nll / count),
+            nll=self.nll / count,
+            top1=self.agree / count,
+            kl=self.kl / count,
+            tokens=self.count,
+        )
 
 
 def _logprobs(h: np.ndarray, head: np.ndarray) -> np.ndarray:
@@ -87,27 +125,13 @@ def evaluate(
         head = output_head(source, dtype)
         if base_hidden is None:
             base_hidden, base_head = hidden, head
-        nll = kl = agree = 0.0
+        tally = EvalTally(name)
         for i in range(n):
             lp = _logprobs(hidden[i, :-1], head)
-            nll -= float(lp[np.arange(T - 1), windows[i, 1:]].sum())
-            if source is sources[0]:
-                agree += T - 1
-                continue
-            lp_base = _logprobs(base_hidden[i, :-1], base_head)
-            kl += float(np.sum(np.exp(lp_base) * (lp_base - lp)))
-            agree += float(np.count_nonzero(lp.argmax(-1) == lp_base.argmax(-1)))
-        count = n * (T - 1)
-        results.append(
-            EvalResult(
-                checkpoint=name,
-                perplexity=math.exp(nll / count),
-                nll=nll / count,
-                top1=agree / count,
-                kl=kl / count,
-                tokens=count,
-            )
-        )
+            is_base = source is sources[0]
+            lp_base = None if is_base else _logprobs(base_hidden[i, :-1], base_head)
+            tally.add(lp, windows[i, 1:], lp_base)
+        results.append(tally.result())
         if source is not sources[0]:
             del hidden
     return results

@@ -1,0 +1,40 @@
+"""``attnquant eval --forward max`` against the numpy forward on the demo model.
+
+MAX returns every prompt position's logits only from a model built with ``enable_echo``: a
+graph of its own (``ReturnLogits.ALL``), not the stock demo graph the other MAX tests share, so
+this one test has its own ``xdist_group`` and compiles it once (a theta checkpoint rebuilt at
+load uses the same graph).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnquant_cli import cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo-eval-max")]
+
+
+def _eval(capsys, *args: str) -> dict:
+    capsys.readouterr()
+    common = ["--seq-len", "128", "--samples", "4", "--json"]
+    assert cli(["eval", *args, *common]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_max_eval_agrees_with_the_numpy_forward(demo, theta_dir, capsys):
+    theta = str(theta_dir(1, 8))  # lossy: KL and top-1 below 1 are real figures
+    through_max = _eval(capsys, "demo", theta, "--forward", "max")
+    through_numpy = _eval(capsys, "demo", theta, "--forward", "numpy")
+    assert through_max["forward"] == "max" and through_numpy["forward"] == "numpy"
+    assert through_max["tokens"] == through_numpy["tokens"] == 4 * 127
+    for m, n in zip(through_max["results"], through_numpy["results"], strict=True):
+        assert set(m["forward"].values()) == {"max"}
+        assert m["perplexity"] == pytest.approx(n["perplexity"], rel=1e-3)
+        assert m["top1_agreement"] == n["top1_agreement"]  # float32 both: the same argmax
+        assert m["kl"] == pytest.approx(n["kl"], rel=1e-2, abs=1e-5)
+    base, lossy = through_max["results"]
+    assert base["top1_agreement"] == 1.0 and base["kl"] == 0.0
+    assert lossy["kl"] > 1e-3 and lossy["perplexity_ratio"] > 1.0
