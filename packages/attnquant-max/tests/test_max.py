@@ -57,6 +57,22 @@ def test_architectures_wrap_the_stock_ones() -> None:
     assert by_name["Gemma4ForConditionalGeneration"].pipeline_model.__name__ == "Gemma4ThetaModel"
 
 
+def test_gguf_checkpoints_keep_the_stock_adapter() -> None:
+    """A GGUF Llama (MAX's CPU q4_0/q4_k) is loaded as MAX loads it, not by the theta adapter."""
+    from max.graph.weights import WeightsFormat
+    from max.pipelines.architectures.llama3 import arch as stock
+    from max.pipelines.architectures.llama3 import weight_adapters
+
+    from attnquant_max.attnquant_architectures import ARCHITECTURES
+
+    llama = next(a for a in ARCHITECTURES if a.name == "LlamaForCausalLM")
+    assert stock.llama_arch.weight_adapters[WeightsFormat.gguf] is (
+        weight_adapters.convert_gguf_state_dict
+    )
+    assert llama.weight_adapters[WeightsFormat.gguf] is weight_adapters.convert_gguf_state_dict
+    assert isinstance(llama.weight_adapters[WeightsFormat.safetensors], ThetaWeightAdapter)
+
+
 def test_theta_serves_the_same_greedy_tokens_as_dense(
     dense_model: LoadedModel, theta_model: LoadedModel
 ) -> None:

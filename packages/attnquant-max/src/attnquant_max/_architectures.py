@@ -122,9 +122,10 @@ def _with_adapter(
 ) -> SupportedArchitecture:
     in_graph = "pipeline_model" in replace
     adapter = wrap_weight_adapter(stock, expected, name=arch.name, in_graph=in_graph)
-    return dataclasses.replace(
-        arch, weight_adapters={WeightsFormat.safetensors: adapter}, **replace
-    )
+    # Other weight formats (GGUF: MAX's CPU q4_0/q4_k Llama) keep the stock adapters: theta
+    # checkpoints are safetensors only, and a GGUF checkpoint is served as MAX serves it.
+    adapters = {**arch.weight_adapters, WeightsFormat.safetensors: adapter}
+    return dataclasses.replace(arch, weight_adapters=adapters, **replace)
 
 
 def build_architectures() -> list[SupportedArchitecture]:
