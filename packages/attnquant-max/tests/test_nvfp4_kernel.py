@@ -2,16 +2,21 @@
 
 ``attnquant_kernels.testing.nvfp4_dequantize`` is the reference the ``generated_linear_nvfp4``
 op is tested against (attnquant-kernels cannot import attnquant-max); here both rebuild the same
-quantized weights. No graph is compiled.
+quantized weights (no graph compiled). Then the served NVFP4 model with the fused op forced.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from attnquant_kernels.testing import nvfp4_dequantize, nvfp4_random
 from attnquant_max import dequantize_nvfp4, quantize_nvfp4
+
+from .conftest import LAYERS, PROJECTIONS
 
 
 @pytest.mark.parametrize(("out_dim", "in_dim"), [(1, 16), (7, 48), (64, 256)])
@@ -36,3 +41,41 @@ def test_random_packed_weights_are_a_valid_nvfp4_tensor():
         weight_scale_2=scale_2.reshape(()),
     )
     np.testing.assert_array_equal(nvfp4_dequantize(weight, scale, scale_2), dequantize_nvfp4(q))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("nvfp4")
+def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
+    tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ATTNQUANT_QUANT=nvfp4`` with every projection a ``generated_linear_nvfp4`` dispatch.
+
+    The start-up measurement (:func:`attnquant_max._nvfp4_layers.nvfp4_fused`) picks the
+    faster form, which on the tiny model's 128x64 projections can be either; here the fused
+    form is forced and must give the stock model on the numpy-dequantized weights.
+    """
+    from attnquant_max import _ingraph, greedy_generate, greedy_logprobs
+    from attnquant_max._nvfp4_layers import NVFP4Linear
+
+    from .conftest import load_tiny, write_tiny_llama
+    from .test_nvfp4_serving import NVFP4, PROMPTS, _dequantized_tensors
+
+    calls = []
+    fused_call = NVFP4Linear.fused_call
+
+    def counted(self: NVFP4Linear, x: Any) -> Any:
+        calls.append((self.out_dim, self.in_dim))
+        return fused_call(self, x)
+
+    monkeypatch.setattr(_ingraph, "nvfp4_fused", lambda *args: True)
+    monkeypatch.setattr(NVFP4Linear, "fused_call", counted)
+    reference_dir = write_tiny_llama(tmp_path / "dequantized", _dequantized_tensors())
+    with load_tiny(tiny_dense, NVFP4) as model, load_tiny(reference_dir) as reference:
+        assert calls and len(calls) % (LAYERS * len(PROJECTIONS)) == 0  # every projection
+        for prompt in PROMPTS:
+            ids = reference.encode(prompt)
+            tokens = greedy_generate(reference, ids, 8)
+            assert greedy_generate(model, ids, 8) == tokens
+            want = greedy_logprobs(reference, ids, tokens).logprobs
+            got = greedy_logprobs(model, ids, tokens).logprobs
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)

@@ -35,7 +35,7 @@ from attnquant_kernels import kernels_path
 from ._config import serving_path
 from ._layers import ThetaBuilder, ThetaMLP
 from ._layout import InGraphLayout
-from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
+from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, nvfp4_fused
 from ._weights import config_override, current_config
 
 __all__ = ["NVFP4Llama3", "ThetaLlama3", "ThetaLlama3Model", "count_matmuls", "decoder_graph"]
@@ -104,7 +104,8 @@ class ThetaLlama3(Llama3):
 
 
 class NVFP4Llama3(Llama3):
-    """The stock single-device Llama3 with NVFP4 projections dequantized in the graph.
+    """The stock single-device Llama3 with NVFP4 projections: dequantized in the graph, or
+    fused ``generated_linear_nvfp4`` dispatches, whichever was faster at start-up (logged).
 
     ``self_attn.qkv_proj`` and ``mlp.gate_proj``/``up_proj`` stay one matmul each over
     the concatenated dequantized weights, as in the stock model; weight names are the
@@ -117,10 +118,12 @@ class NVFP4Llama3(Llama3):
         super().__init__(config)
         shapes = _shapes(config)
         dtype, device = config.dtype, config.devices[0]
+        # generated_linear_nvfp4 or dequantize + matmul: timed once per process, logged.
+        self.needs_kernels = fused = nvfp4_fused(device, *shapes["mlp.gate_proj"])
 
         def linear(family: str) -> NVFP4Linear:
             out_dim, in_dim = shapes[family]
-            return NVFP4Linear(in_dim, out_dim, dtype=dtype, device=device)
+            return NVFP4Linear(in_dim, out_dim, dtype=dtype, device=device, fused=fused)
 
         for block in self.layers:
             qkv = NVFP4StackedLinear([linear(f) for f in QKV], ["q_proj", "k_proj", "v_proj"])
@@ -188,7 +191,8 @@ class ThetaLlama3Model(Llama3Model):
             self.state_dict, override_quantization_encoding=True, weight_alignment=1, strict=True
         )
         layout = getattr(model, "layout", None)
-        kernels = [kernels_path()] if layout is not None and layout.custom_op else []
+        custom_op = layout is not None and layout.custom_op
+        kernels = [kernels_path()] if custom_op or getattr(model, "needs_kernels", False) else []
         return GraphSpec(
             model,
             "llama3",

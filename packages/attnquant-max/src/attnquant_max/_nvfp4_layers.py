@@ -1,4 +1,4 @@
-"""NVFP4 weights kept packed in device memory and dequantized inside the graph (emulated path).
+"""NVFP4 weights kept packed in device memory, dequantized in the graph or decoded by a fused op.
 
 Where the device has no FP4 matmul (the CPU, H100/H200), ``ATTNQUANT_QUANT=nvfp4`` serves each
 projection from three tensors, the names and contents of Model Optimizer's layout
@@ -19,16 +19,26 @@ every forward the graph rebuilds ``W`` with two gathers and one multiply, exactl
 
 So the weights held are 4.5 bits per element (plus one float per tensor), the matmul is the
 stock one, and the dequantization costs one pass over ``W`` per projection per step.
+
+With ``fused=True`` a projection is instead one ``generated_linear_nvfp4`` dispatch
+(attnquant-kernels), which decodes the packed codes inside its dot product and never writes
+``W`` out: a decode step reads 4.5 bits per weight. :func:`nvfp4_fused` makes the choice once
+per process and device by timing both on one projection at start-up, and logs it.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
+
+from attnquant_kernels.graph import generated_linear_nvfp4
 
 from ._nvfp4 import BLOCK_SIZE, E2M1_VALUES, E4M3_VALUES, check_nvfp4_shape
 
@@ -37,7 +47,11 @@ __all__ = [
     "NVFP4Linear",
     "NVFP4StackedLinear",
     "dequantize_in_graph",
+    "measure_nvfp4",
+    "nvfp4_fused",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: ``E2M1_PAIR_TABLE[b] = (E2M1[b & 15], E2M1[b >> 4])``: both values a packed byte holds.
 E2M1_PAIR_TABLE = np.stack(
@@ -70,17 +84,20 @@ def dequantize_in_graph(
 
 
 class NVFP4Linear(Module):
-    """``y = x @ W^T`` with ``W`` held as NVFP4 and dequantized in the graph (no bias).
+    """``y = x @ W^T`` with ``W`` held as NVFP4 (no bias): dequantized in the graph, or with
+    ``fused=True`` one ``generated_linear_nvfp4`` dispatch.
 
     Weights ``weight`` (uint8 ``[out, in/2]``), ``weight_scale`` (uint8 ``[out, in/16]``,
     float8_e4m3fn bytes) and ``weight_scale_2`` (float32 ``[1]``), the checkpoint's names.
     ``dtype`` is the activation dtype the dequantized weight is cast to.
     """
 
-    def __init__(self, in_dim: int, out_dim: int, *, dtype: DType, device: DeviceRef) -> None:
+    def __init__(
+        self, in_dim: int, out_dim: int, *, dtype: DType, device: DeviceRef, fused: bool = False
+    ) -> None:
         super().__init__()
         check_nvfp4_shape((out_dim, in_dim))
-        self.in_dim, self.out_dim, self.dtype = in_dim, out_dim, dtype
+        self.in_dim, self.out_dim, self.dtype, self.fused = in_dim, out_dim, dtype, fused
         self.weight = Weight("weight", DType.uint8, [out_dim, in_dim // 2], device=device)
         self.weight_scale = Weight(
             "weight_scale", DType.uint8, [out_dim, in_dim // BLOCK_SIZE], device=device
@@ -96,7 +113,21 @@ class NVFP4Linear(Module):
             self.dtype,
         )
 
+    def fused_call(self, x: TensorValue) -> TensorValue:
+        """``x @ W^T`` as one ``generated_linear_nvfp4`` dispatch (leading dims folded)."""
+        lead = list(x.shape[:-1])
+        flat = ops.reshape(x, [-1, self.in_dim]) if x.rank != 2 else x
+        y = generated_linear_nvfp4(
+            flat,
+            TensorValue(self.weight).to(x.device),
+            TensorValue(self.weight_scale).to(x.device),
+            TensorValue(self.weight_scale_2).to(x.device),
+        )
+        return ops.reshape(y, [*lead, self.out_dim]) if x.rank != 2 else y
+
     def __call__(self, x: TensorValue) -> TensorValue:
+        if self.fused:
+            return self.fused_call(x)
         return x @ self.dequantized(x.device).T
 
 
@@ -127,5 +158,84 @@ class NVFP4StackedLinear(Module):
         return [getattr(self, name) for name in self._names]
 
     def __call__(self, x: TensorValue) -> TensorValue:
-        W = ops.concat([m.dequantized(x.device) for m in self.members], axis=0)
+        members = self.members
+        if all(m.fused for m in members):  # one dispatch per member, outputs side by side
+            return ops.concat([m.fused_call(x) for m in members], axis=-1)
+        W = ops.concat([m.dequantized(x.device) for m in members], axis=0)
         return x @ W.T
+
+
+def measure_nvfp4(
+    device: DeviceRef, out_dim: int, in_dim: int, *, runs: int = 5
+) -> dict[str, float]:
+    """Seconds of one batch-1 execution of an ``[out, in]`` NVFP4 projection, best of ``runs``:
+    ``"fused"`` (``generated_linear_nvfp4``) and ``"dequantize"`` (in the graph, then matmul).
+
+    Compiles two small graphs (cached by MAX after the first time); random packed weights.
+    """
+    from max.driver import CPU, Accelerator, Buffer
+    from max.engine import InferenceSession
+    from max.graph import Graph, TensorType
+
+    from attnquant_kernels import kernels_path
+
+    check_nvfp4_shape((out_dim, in_dim))
+    on_gpu = device.device_type.value != "cpu"
+    target = Accelerator(id=device.id) if on_gpu else CPU()
+    session = InferenceSession(devices=[target])
+    rng = np.random.default_rng(0)
+    arrays = [
+        rng.standard_normal((1, in_dim), dtype=np.float32),
+        rng.integers(0, 256, (out_dim, in_dim // 2), dtype=np.uint8),
+        np.full((out_dim, in_dim // BLOCK_SIZE), 0x38, np.uint8),  # E4M3 1.0
+        np.full(1, 1 / np.sqrt(in_dim), np.float32),
+    ]
+    types = [
+        TensorType(DType.float32, ["batch", in_dim], device=device),
+        TensorType(DType.uint8, [out_dim, in_dim // 2], device=device),
+        TensorType(DType.uint8, [out_dim, in_dim // BLOCK_SIZE], device=device),
+        TensorType(DType.float32, [1], device=device),
+    ]
+    inputs = [Buffer.from_numpy(a).to(target) if on_gpu else Buffer.from_numpy(a) for a in arrays]
+    seconds = {}
+    for name in ("fused", "dequantize"):
+        graph_name = f"aq_nvfp4_{name}_{out_dim}x{in_dim}"
+        with Graph(graph_name, input_types=types, custom_extensions=[kernels_path()]) as g:
+            x, w, ws, ws2 = (v.tensor for v in g.inputs)
+            if name == "fused":
+                g.output(generated_linear_nvfp4(x, w, ws, ws2))
+            else:
+                g.output(x @ dequantize_in_graph(w, ws, ws2, DType.float32).T)
+        model = session.load(g)
+        model.execute(*inputs)  # warm-up
+        best = float("inf")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            model.execute(*inputs)
+            if on_gpu:
+                target.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        seconds[name] = best
+    return seconds
+
+
+@functools.cache
+def nvfp4_fused(device: DeviceRef, out_dim: int, in_dim: int) -> bool:
+    """Serve NVFP4 projections with the fused op on ``device``? Measured once per process.
+
+    Times both forms on one ``[out, in]`` projection at batch 1 (:func:`measure_nvfp4`) and
+    logs the choice with the figures; the faster one is served.
+    """
+    seconds = measure_nvfp4(device, out_dim, in_dim)
+    fused = seconds["fused"] <= seconds["dequantize"]
+    logger.info(
+        "NVFP4 projections on %s: %s (measured at start-up on one %dx%d projection, batch 1: "
+        "fused generated_linear_nvfp4 %.3f ms, dequantize in the graph + matmul %.3f ms)",
+        device,
+        "fused generated_linear_nvfp4" if fused else "dequantized in the graph, then matmul",
+        out_dim,
+        in_dim,
+        seconds["fused"] * 1e3,
+        seconds["dequantize"] * 1e3,
+    )
+    return fused
