@@ -79,3 +79,24 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
             want = greedy_logprobs(reference, ids, tokens).logprobs
             got = greedy_logprobs(model, ids, tokens).logprobs
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("nvfp4")
+def test_start_up_measurement_checks_the_fused_op_and_logs_the_choice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The tiny model's gate_proj shape: the graphs the served NVFP4 model's start-up compiles."""
+    import logging
+
+    from max.graph import DeviceRef
+
+    from attnquant_max._nvfp4_layers import nvfp4_fused
+
+    with caplog.at_level(logging.INFO, logger="attnquant_max._nvfp4_layers"):
+        choice = nvfp4_fused.__wrapped__(DeviceRef.CPU(), 128, 64)  # uncached: measure again
+    (line,) = [r.getMessage() for r in caplog.records if "NVFP4 projections" in r.getMessage()]
+    expected = "fused generated_linear_nvfp4" if choice else "dequantized in the graph"
+    assert line.startswith(f"NVFP4 projections on cpu:0: {expected}")
+    assert "on one 128x64 projection, batch 1" in line
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # outputs agree

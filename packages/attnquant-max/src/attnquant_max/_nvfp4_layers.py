@@ -169,7 +169,8 @@ def measure_nvfp4(
     device: DeviceRef, out_dim: int, in_dim: int, *, runs: int = 5
 ) -> dict[str, float]:
     """Seconds of one batch-1 execution of an ``[out, in]`` NVFP4 projection, best of ``runs``:
-    ``"fused"`` (``generated_linear_nvfp4``) and ``"dequantize"`` (in the graph, then matmul).
+    ``"fused"`` (``generated_linear_nvfp4``) and ``"dequantize"`` (in the graph, then matmul),
+    and ``"max_rel_difference"`` between their outputs (relative to the largest entry).
 
     Compiles two small graphs (cached by MAX after the first time); random packed weights.
     """
@@ -197,7 +198,8 @@ def measure_nvfp4(
         TensorType(DType.float32, [1], device=device),
     ]
     inputs = [Buffer.from_numpy(a).to(target) if on_gpu else Buffer.from_numpy(a) for a in arrays]
-    seconds = {}
+    seconds: dict[str, float] = {}
+    outputs: dict[str, np.ndarray] = {}
     for name in ("fused", "dequantize"):
         graph_name = f"aq_nvfp4_{name}_{out_dim}x{in_dim}"
         with Graph(graph_name, input_types=types, custom_extensions=[kernels_path()]) as g:
@@ -207,7 +209,8 @@ def measure_nvfp4(
             else:
                 g.output(x @ dequantize_in_graph(w, ws, ws2, DType.float32).T)
         model = session.load(g)
-        model.execute(*inputs)  # warm-up
+        (out,) = model.execute(*inputs)  # warm-up, and the result to compare
+        outputs[name] = out.to(CPU()).to_numpy() if on_gpu else out.to_numpy()
         best = float("inf")
         for _ in range(runs):
             t0 = time.perf_counter()
@@ -216,6 +219,9 @@ def measure_nvfp4(
                 target.synchronize()
             best = min(best, time.perf_counter() - t0)
         seconds[name] = best
+    ref = outputs["dequantize"]
+    scale = float(np.abs(ref).max()) or 1.0
+    seconds["max_rel_difference"] = float(np.abs(outputs["fused"] - ref).max()) / scale
     return seconds
 
 
@@ -224,10 +230,19 @@ def nvfp4_fused(device: DeviceRef, out_dim: int, in_dim: int) -> bool:
     """Serve NVFP4 projections with the fused op on ``device``? Measured once per process.
 
     Times both forms on one ``[out, in]`` projection at batch 1 (:func:`measure_nvfp4`) and
-    logs the choice with the figures; the faster one is served.
+    logs the choice with the figures; the faster one is served, the fused op only when its
+    output agrees with the dequantized form's to 1e-4 (otherwise a warning says so).
     """
     seconds = measure_nvfp4(device, out_dim, in_dim)
-    fused = seconds["fused"] <= seconds["dequantize"]
+    agrees = seconds["max_rel_difference"] <= 1e-4
+    if not agrees:
+        logger.warning(
+            "NVFP4: generated_linear_nvfp4 on %s differs from the dequantized form by %.2e "
+            "(relative); serving the dequantized form",
+            device,
+            seconds["max_rel_difference"],
+        )
+    fused = agrees and seconds["fused"] <= seconds["dequantize"]
     logger.info(
         "NVFP4 projections on %s: %s (measured at start-up on one %dx%d projection, batch 1: "
         "fused generated_linear_nvfp4 %.3f ms, dequantize in the graph + matmul %.3f ms)",
