@@ -22,7 +22,7 @@ from ._output_analysis import (
     family_coverage,
     pooled_over,
 )
-from ._svd import truncated_svd
+from ._svd import EXACT_MAX_DIM, truncated_svd
 from ._whitened import Calibration, as_calibration, scaled_whitening, whitened_residual
 
 __all__ = [
@@ -278,10 +278,13 @@ def _band_energies(
     ranks: list[int],
     residual_of: Residual,
     svd: SVDOptions,
+    *,
+    values_only: bool = False,
 ) -> dict[int, float]:
     """Squared error of the banded fit at every rank, summed over layers, from one factorisation
     per layer at the largest rank (``residual_of(layer, W, W0)``: the matrix whose truncation
-    error is the fit's error)."""
+    error is the fit's error). ``values_only``: exact singular values alone (``svdvals``, no
+    vectors) where the matrix is small enough for an exact SVD."""
     cdt = weights[0].dtype
     energy = dict.fromkeys(ranks, 0.0)
     start = 0
@@ -290,6 +293,11 @@ def _band_energies(
         for layer in range(start, start + size):
             R = residual_of(layer, weights[layer], W0)
             n2 = float(np.sum(R.astype(np.float64) ** 2))
+            if values_only and min(R.shape) <= EXACT_MAX_DIM:
+                S = scipy.linalg.svdvals(R, check_finite=False)[: ranks[-1]]
+                for r in ranks:
+                    energy[r] += _residual_energy(S, n2, r)
+                continue
             S = truncated_svd(
                 R,
                 ranks[-1],
@@ -358,6 +366,8 @@ def sweep(
         if outputs:
             assert cal is not None
             white = cal.getter(info.keys, in_dim)
+            if L * in_dim * in_dim * 8 <= 1 << 28:  # every G reuses the factors: keep them
+                white = [white(i) for i in range(L)].__getitem__
             # The whitened per-layer SVD (SVD-LLM): singular values of c W S, exact, float64.
             sv_out = [
                 scipy.linalg.svdvals(scaled_whitening(W, white(i))[0], check_finite=False)
@@ -375,7 +385,9 @@ def sweep(
                 progress(f"{name} G={model_G}")
             energy = _band_energies(weights, G, ranks, _weight_residual, svd)
             energy_out = (
-                _band_energies(weights, G, ranks, output_residual, svd) if outputs else None
+                _band_energies(weights, G, ranks, output_residual, svd, values_only=True)
+                if outputs
+                else None
             )
             for r in ranks:
                 stored = G * out_dim * in_dim + L * (out_dim + r * (out_dim + in_dim))
