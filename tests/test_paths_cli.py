@@ -82,9 +82,12 @@ def test_verify_checks_an_in_graph_path_against_the_stock_path(
 def test_verify_nvfp4_reports_real_numbers(tiny, tmp_path, capsys, monkeypatch, caplog):
     """ATTNQUANT_QUANT=nvfp4 against float32: numbers and the bytes held, not a verdict."""
     monkeypatch.setenv("ATTNQUANT_QUANT", "nvfp4")
+    # The fused op, named so that CI compiles one known graph (auto times both forms first).
+    monkeypatch.setenv("ATTNQUANT_NVFP4_KERNEL", "fused")
     with caplog.at_level("INFO"):
         code, report, text = _verify(tiny, tiny, tmp_path, capsys)
-    assert "dequantized inside the graph" in caplog.text
+    assert "dequantized inside the graph" in caplog.text  # the plan line names both forms
+    assert "fused (ATTNQUANT_NVFP4_KERNEL)" in caplog.text
     assert 0.0 < report["max_abs_logprob_delta"] < float("inf")  # the quantized path ran
     assert 0.0 <= report["agreement"] <= 1.0
     assert code == (0 if report["native_equivalent"] else 1)

@@ -62,6 +62,9 @@ def test_frozen() -> None:
         ("ATTNQUANT_FUSED_MLP", "False", "fused_mlp", False),
         ("ATTNQUANT_QUANT", "nvfp4", "quant", "nvfp4"),
         ("ATTNQUANT_QUANT", "NVFP4", "quant", "nvfp4"),
+        ("ATTNQUANT_NVFP4_KERNEL", "fused", "nvfp4_kernel", "fused"),
+        ("ATTNQUANT_NVFP4_KERNEL", "Dequantize", "nvfp4_kernel", "dequantize"),
+        ("ATTNQUANT_NVFP4_KERNEL", "", "nvfp4_kernel", "auto"),
     ],
 )
 def test_each_variable_parses(variable: str, value: str, field: str, expected: object) -> None:
@@ -85,6 +88,7 @@ def test_each_variable_parses(variable: str, value: str, field: str, expected: o
         ("ATTNQUANT_QKV_FUSE", "y", "1/0"),
         ("ATTNQUANT_FUSED_MLP", "enabled", "1/0"),
         ("ATTNQUANT_QUANT", "int4", "'nvfp4'"),
+        ("ATTNQUANT_NVFP4_KERNEL", "mojo", "auto, fused, dequantize"),
     ],
 )
 def test_bad_values_name_variable_value_and_what_is_allowed(

@@ -7,6 +7,7 @@ quantized weights (no graph compiled). Then the served NVFP4 model with the fuse
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +64,18 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     calls = []
     fused_call = NVFP4Linear.fused_call
 
+    def measured(*args: Any) -> bool:
+        raise AssertionError("ATTNQUANT_NVFP4_KERNEL=fused must not time the two forms")
+
     def counted(self: NVFP4Linear, x: Any) -> Any:
         calls.append((self.out_dim, self.in_dim))
         return fused_call(self, x)
 
-    monkeypatch.setattr(_ingraph, "nvfp4_fused", lambda *args: True)
+    monkeypatch.setattr(_ingraph, "nvfp4_fused", measured)  # ATTNQUANT_NVFP4_KERNEL=fused: never
     monkeypatch.setattr(NVFP4Linear, "fused_call", counted)
     reference_dir = write_tiny_llama(tmp_path / "dequantized", _dequantized_tensors())
-    with load_tiny(tiny_dense, NVFP4) as model, load_tiny(reference_dir) as reference:
+    fused = replace(NVFP4, nvfp4_kernel="fused")
+    with load_tiny(tiny_dense, fused) as model, load_tiny(reference_dir) as reference:
         assert calls and len(calls) % (LAYERS * len(PROJECTIONS)) == 0  # every projection
         for prompt in PROMPTS:
             ids = reference.encode(prompt)

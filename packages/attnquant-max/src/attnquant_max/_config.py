@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 Passthrough = Literal["layers"]
 Quant = Literal["nvfp4"]
+NVFP4Kernel = Literal["auto", "fused", "dequantize"]
+NVFP4_KERNELS: tuple[str, ...] = ("auto", "fused", "dequantize")
 
 #: Every variable this package reads, with its default as a user would write it.
 ENV_VARIABLES: dict[str, str] = {
@@ -48,6 +50,7 @@ ENV_VARIABLES: dict[str, str] = {
     "ATTNQUANT_QKV_FUSE": "1",
     "ATTNQUANT_FUSED_MLP": "1",
     "ATTNQUANT_QUANT": "unset",
+    "ATTNQUANT_NVFP4_KERNEL": "auto",
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -128,6 +131,16 @@ def _parse_quant(env: Mapping[str, str]) -> Quant | None:
     raise ConfigError(name, raw, "'nvfp4' or unset (no quantization)")
 
 
+def _parse_nvfp4_kernel(env: Mapping[str, str]) -> NVFP4Kernel:
+    name = "ATTNQUANT_NVFP4_KERNEL"
+    raw = _get(env, name)
+    if raw is None:
+        return "auto"
+    if raw.lower() in NVFP4_KERNELS:
+        return raw.lower()  # type: ignore[return-value]
+    raise ConfigError(name, raw, "one of auto, fused, dequantize")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttnquantConfig:
     """The runtime configuration of DESIGN §3, one field per variable.
@@ -152,6 +165,11 @@ class AttnquantConfig:
         ``ATTNQUANT_FUSED_MLP``: custom-op path runs the MLP in one dispatch.
     quant : "nvfp4" or None
         ``ATTNQUANT_QUANT``: quantize each ``W_eff`` at load.
+    nvfp4_kernel : "auto", "fused" or "dequantize"
+        ``ATTNQUANT_NVFP4_KERNEL``: how NVFP4 projections run: ``fused`` one
+        ``generated_linear_nvfp4`` dispatch reading the packed bytes, ``dequantize`` the
+        weight dequantized in the graph then a matmul, ``auto`` whichever is faster when
+        timed once at start-up (logged).
     """
 
     blocks: int | Passthrough | None = None
@@ -162,6 +180,7 @@ class AttnquantConfig:
     qkv_fuse: bool = True
     fused_mlp: bool = True
     quant: Quant | None = None
+    nvfp4_kernel: NVFP4Kernel = "auto"
 
     def __post_init__(self) -> None:
         if self.blocks is not None and self.blocks != "layers":
@@ -173,6 +192,10 @@ class AttnquantConfig:
             raise ConfigError("ATTNQUANT_RANK", str(self.rank), "a whole number >= 0")
         if self.quant not in (None, "nvfp4"):
             raise ConfigError("ATTNQUANT_QUANT", str(self.quant), "'nvfp4' or unset")
+        if self.nvfp4_kernel not in NVFP4_KERNELS:
+            raise ConfigError(
+                "ATTNQUANT_NVFP4_KERNEL", str(self.nvfp4_kernel), "one of auto, fused, dequantize"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AttnquantConfig:
@@ -194,6 +217,7 @@ class AttnquantConfig:
             qkv_fuse=bool(_parse_bool(env, "ATTNQUANT_QKV_FUSE", True)),
             fused_mlp=bool(_parse_bool(env, "ATTNQUANT_FUSED_MLP", True)),
             quant=_parse_quant(env),
+            nvfp4_kernel=_parse_nvfp4_kernel(env),
         )
 
     @property

@@ -18,6 +18,7 @@ Importing this module imports ``max.pipelines`` (~15 s).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections import Counter
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, nvfp4_fused
 from ._weights import config_override, current_config
 
 __all__ = ["NVFP4Llama3", "ThetaLlama3", "ThetaLlama3Model", "count_matmuls", "decoder_graph"]
+
+logger = logging.getLogger(__name__)
 
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
@@ -118,8 +121,15 @@ class NVFP4Llama3(Llama3):
         super().__init__(config)
         shapes = _shapes(config)
         dtype, device = config.dtype, config.devices[0]
-        # generated_linear_nvfp4 or dequantize + matmul: timed once per process, logged.
-        self.needs_kernels = fused = nvfp4_fused(device, *shapes["mlp.gate_proj"])
+        # generated_linear_nvfp4 or dequantize + matmul: ATTNQUANT_NVFP4_KERNEL, or (auto)
+        # timed once per process and logged.
+        kernel = current_config().nvfp4_kernel
+        if kernel == "auto":
+            fused = nvfp4_fused(device, *shapes["mlp.gate_proj"])
+        else:
+            fused = kernel == "fused"
+            logger.info("NVFP4 projections on %s: %s (ATTNQUANT_NVFP4_KERNEL)", device, kernel)
+        self.needs_kernels = fused
 
         def linear(family: str) -> NVFP4Linear:
             out_dim, in_dim = shapes[family]

@@ -75,8 +75,10 @@ logger = logging.getLogger(__name__)
 #: What ``ATTNQUANT_QUANT=nvfp4`` serves, said once in the start-up log.
 NVFP4_EMULATED = (
     "ATTNQUANT_QUANT=nvfp4: each W_eff quantized to NVFP4 at load (E2M1 codes, E4M3 scale per "
-    "16 inputs, FP32 per-tensor scale) and held packed; dequantized inside the graph on every "
-    "forward (emulated path: no native FP4 matmul is used)"
+    "16 inputs, FP32 per-tensor scale) and held packed; per ATTNQUANT_NVFP4_KERNEL either "
+    "dequantized inside the graph then a float32 matmul, or one fused generated_linear_nvfp4 "
+    "dispatch decoding the packed bytes in registers (auto: the faster, timed at start-up); no "
+    "native FP4 matmul is used"
 )
 
 #: How many offending keys an error message lists before it says "and N more".
