@@ -1,0 +1,225 @@
+"""Serving a compressed model on the CPU: bytes held, decode, prefill and TTFT against float32.
+
+A synthetic Llama of real-model shapes (``--shape 300m``: ~320M parameters; ``--shape 1b``:
+Llama-3.2-1B's shapes; ``--shape tiny`` for a smoke run; made on the fly by
+``synthetic_llama.py``, random weights, never shipped) is served by MAX beside the stock float32
+model, one variant at a time, and timed as ``attnquant bench`` times it (adjacent pairs in ABBA
+order after a discarded warm-up run of each; THETA/BASE as the geometric mean of within-pair
+ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
+
+* ``budget 0.7`` / ``budget 0.5``: ``decompose --budget`` checkpoints, served in the graph
+  (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``, GEMM path) where attnquant-max serves their forms there,
+  else on precompute-outside (dense rebuilt at load: no smaller, no faster), and the row says so;
+* ``nvfp4``: the stock checkpoint served with ``ATTNQUANT_QUANT=nvfp4``;
+* ``nvfp4+r16``: ``decompose --quant nvfp4 --rank 16``, served as attnquant-max serves it;
+* ``gguf q4_0``: what a CPU user picks instead for 4-bit: the same weights written as a GGUF
+  ``q4_0`` file (``gguf`` package, llama.cpp's layout) and served by MAX's own CPU 4-bit path
+  (the stock MAX Llama, every matrix including the embedding and head in q4_0).
+
+For each: weight bytes the compiled model holds, decode tok/s at batch 1 (64 new tokens after a
+``--prompt-tokens`` prompt), prefill tok/s of that prompt and time to first token, each as a ratio
+to float32, and the logit distance to float32 (max |log-prob delta| of float32's greedy tokens
+and greedy agreement, over 4 prompts x 16 tokens). The roofline beside them: bytes held over the
+memory bandwidth a numpy copy reaches, as the fastest decode those bytes allow.
+
+Run: ``HF_HUB_OFFLINE=1 uv run python benchmarks/bench_compressed.py --shape 300m --out r.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from synthetic_llama import SHAPES, projection_shapes, write_gguf, write_synthetic
+
+VARIANTS = ("budget 0.7", "budget 0.5", "nvfp4", "nvfp4+r16", "gguf q4_0")
+PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second a numpy copy of a ``gib`` GiB array reaches (read + write), best of N."""
+    src = np.ones(int(gib * (1 << 30)) // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def _stock_loaded(directory: Path, gguf: Path, *, max_length: int) -> Any:
+    """MAX's own Llama on a GGUF file (attnquant's architectures read safetensors only)."""
+    from max.pipelines import AutoModel, AutoTokenizer
+
+    from attnquant_max import LoadedModel
+
+    model = AutoModel(
+        str(directory),
+        max_batch_size=8,
+        devices="cpu",
+        max_length=max_length,
+        quantization_encoding="q4_0",
+        weight_path=[str(gguf)],
+    )
+    return LoadedModel(
+        path=directory,
+        model=model,
+        tokenizer=AutoTokenizer(str(directory)),
+        max_batch_size=8,
+        max_length=max_length,
+    )
+
+
+def prepare(variant: str, base_dir: Path, work: Path, shape: Any) -> tuple[Path, dict, str]:
+    """The checkpoint of ``variant``, the attnquant config overrides to serve it, and how."""
+    from attnquant_core import decompose_checkpoint
+
+    if variant.startswith("budget"):
+        out = work / variant.replace(" ", "_")
+        if not out.exists():
+            decompose_checkpoint(base_dir, out, budget=float(variant.split()[1]))
+        return out, {"precompute_outside": False, "gemm": True}, "in graph, GEMM path"
+    if variant == "nvfp4":
+        return base_dir, {"quant": "nvfp4"}, "ATTNQUANT_QUANT=nvfp4"
+    if variant == "nvfp4+r16":
+        out = work / "nvfp4_r16"
+        if not out.exists():
+            decompose_checkpoint(base_dir, out, blocks="layers", rank=16, quant="nvfp4")
+        return out, {"precompute_outside": False, "gemm": True}, "in graph, GEMM path"
+    if variant == "gguf q4_0":
+        out = work / "gguf_q4_0"
+        if not out.exists():
+            out.mkdir()
+            for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(base_dir / name, out / name)
+            write_gguf(base_dir, out / "model-q4_0.gguf", shape)
+        return out, {}, "MAX's CPU q4_0 (stock Llama)"
+    raise ValueError(variant)
+
+
+def load_variant(variant: str, path: Path, overrides: dict, how: str, common: dict) -> tuple:
+    """Load ``variant``; where its in-graph path is refused, fall back to precompute-outside."""
+    from attnquant_max import AttnquantConfig, load_pipeline
+
+    if variant == "gguf q4_0":
+        return _stock_loaded(path, path / "model-q4_0.gguf", max_length=common["max_length"]), how
+    try:
+        return load_pipeline(path, config=replace(AttnquantConfig(), **overrides), **common), how
+    except NotImplementedError as exc:
+        if overrides.get("precompute_outside", True) is not False:
+            raise
+        reason = str(exc).split(". ")[0]
+        loaded = load_pipeline(path, config=AttnquantConfig(), **common)
+        return loaded, f"precompute-outside (in-graph refused: {reason})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="300m")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--pairs", type=int, default=8, help="timed ABBA pairs per variant")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--work", type=Path, help="keep the checkpoints here (default: a temp dir)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+
+    from attnquant_cli import demo_model_path
+    from attnquant_cli._bench import bench_pair, generate_runner, prompt_ids, summarize
+    from attnquant_core import machine_load, read_load
+    from attnquant_max import AttnquantConfig, load_pipeline, logit_parity
+
+    shape = SHAPES[args.shape]
+    proj_params, all_params = shape.parameters()
+    work = args.work or Path(tempfile.mkdtemp(prefix="aq-bench-compressed-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base_dir = work / "float32"
+    t0 = time.perf_counter()
+    if not (base_dir / "config.json").exists():
+        write_synthetic(base_dir, shape, demo_model_path())
+    print(
+        f"{shape.name}: {all_params / 1e6:.0f}M parameters ({proj_params / 1e6:.0f}M in "
+        f"projections {sorted(set(projection_shapes(shape).values()))}); written in "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    bandwidth = memory_bandwidth()
+    print(f"memory bandwidth (numpy copy, read + write): {bandwidth / 1e9:.1f} GB/s")
+    common = {"max_length": args.prompt_tokens + args.new_tokens + 8, "max_batch_size": 8}
+    base = load_pipeline(base_dir, config=AttnquantConfig(), **common)
+    base_bytes = base.weight_bytes or 4 * all_params
+    prompt = prompt_ids(base.encode, args.prompt_tokens)
+    results: dict[str, Any] = {
+        "benchmark": "compressed",
+        "shape": shape.config(),
+        "parameters": {"projections": proj_params, "all": all_params},
+        "bandwidth_bytes_per_s": bandwidth,
+        "base": {"weight_bytes": base_bytes, "roofline_tok_s": bandwidth / 2 / base_bytes},
+        "variants": {},
+    }
+    try:
+        for variant in args.variants:
+            t0 = time.perf_counter()
+            path, overrides, how = prepare(variant, base_dir, work, shape)
+            prepared_s = time.perf_counter() - t0
+            loaded, how = load_variant(variant, path, overrides, how, common)
+            try:
+                held = loaded.weight_bytes or sum(f.stat().st_size for f in path.glob("*.gguf"))
+                parity = logit_parity(base, loaded, PARITY_PROMPTS, 16)
+                before = read_load()
+                runs = bench_pair(
+                    generate_runner(base),
+                    generate_runner(loaded),
+                    prompt,
+                    pairs=args.pairs,
+                    new_tokens=args.new_tokens,
+                    warmup=args.warmup,
+                )
+                load = machine_load(before)
+            finally:
+                loaded.close()
+            summary = summarize(runs, gate=None, load=load)
+            row = {
+                "served": how,
+                "prepare_s": prepared_s,
+                "weight_bytes": held,
+                "bytes_ratio": held / base_bytes,
+                "roofline_tok_s": bandwidth / 2 / held,
+                "max_abs_logprob_delta": parity.max_abs_logprob_delta,
+                "agreement": parity.agreement,
+                **summary,
+            }
+            results["variants"][variant] = row
+            r = summary["ratios"]
+            print(
+                f"{variant:<11} {how}: bytes {held / 1e6:.0f} MB ({held / base_bytes:.3f}x); "
+                + "  ".join(
+                    f"{m.split('_')[0]} {r[m]['ratio']:.3f} [{r[m]['ci_low']:.3f}, "
+                    f"{r[m]['ci_high']:.3f}]"
+                    for m in ("decode_tok_s", "prefill_tok_s", "ttft_s")
+                )
+                + f"; base decode {summary['medians']['base']['decode_tok_s']:.1f} tok/s; "
+                f"max|dlogp| {parity.max_abs_logprob_delta:.3f}, agreement "
+                f"{100 * parity.agreement:.1f}%; {load.describe()}",
+                flush=True,
+            )
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        base.close()
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Synthetic Llama checkpoints of real-model shapes for the serving benchmarks, made on the fly.
+
+Random weights (never shipped, never downloaded) with the shapes of a ~300M-parameter Llama and
+of Llama-3.2-1B, written as a Hugging Face directory (``config.json``, the demo model's tokenizer,
+sharded float32 safetensors) and, for MAX's own CPU 4-bit path, as a GGUF file (``q4_0``) beside
+it, laid out as llama.cpp's converter lays it out (q/k rows permuted to the interleaved RoPE
+layout MAX assumes for GGUF weights).
+
+Projections are drawn with a decaying singular spectrum (``sigma_j ~ (1 + j/32)^-1``, scaled so
+that a unit input keeps unit size), so that low-rank fits have something to keep, as in trained
+weights; nothing here claims anything about quality on real text.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["SHAPES", "ModelShape", "projection_shapes", "write_gguf", "write_synthetic"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a Llama decoder."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def config(self) -> dict[str, object]:
+        """A ``LlamaForCausalLM`` ``config.json``."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "torch_dtype": "float32",
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": None,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": self.tie_embeddings,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
+        }
+
+    def parameters(self) -> tuple[int, int]:
+        """(projection parameters, all parameters)."""
+        proj = self.layers * sum(o * i for o, i in projection_shapes(self).values())
+        embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        norms = (2 * self.layers + 1) * self.hidden
+        return proj, proj + embed + norms
+
+
+SHAPES = {
+    # ~300M: Llama-style, 20 layers of hidden 1024 (the projections hold 290M of the parameters).
+    "300m": ModelShape("300m", 1024, 4096, 20, 16, 4, 32000, False),
+    # Llama-3.2-1B: hidden 2048, 16 layers, MLP 8192, 32 query / 8 key-value heads, tied 128256.
+    "1b": ModelShape("1b", 2048, 8192, 16, 32, 8, 128256, True),
+    # A smoke-test size: compiles like the others, runs in seconds.
+    "tiny": ModelShape("tiny", 256, 512, 2, 4, 2, 2048, False),
+}
+
+
+def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """``[out, in]`` of the seven projections of one layer."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    h, f = shape.hidden, shape.intermediate
+    return {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (f, h),
+        "mlp.up_proj": (f, h),
+        "mlp.down_proj": (h, f),
+    }
+
+
+def _decaying(rng: np.random.Generator, out_dim: int, in_dim: int) -> np.ndarray:
+    """A random ``[out, in]`` float32 matrix with a decaying spectrum and unit input gain."""
+    k = min(out_dim, in_dim)
+    a = rng.standard_normal((out_dim, k), dtype=np.float32)
+    b = rng.standard_normal((k, in_dim), dtype=np.float32)
+    sigma = (1.0 + np.arange(k, dtype=np.float32) / 32.0) ** -1
+    W = (a * sigma) @ b
+    W *= np.float32(1.0 / np.sqrt(float(np.sum(sigma**2)) * in_dim / k) / np.sqrt(k))
+    return W
+
+
+def _layer_tensors(shape: ModelShape, layer: int, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng([seed, layer])
+    for family, (o, i) in projection_shapes(shape).items():
+        yield f"model.layers.{layer}.{family}.weight", _decaying(rng, o, i)
+    ones = np.ones(shape.hidden, np.float32)
+    yield f"model.layers.{layer}.input_layernorm.weight", ones
+    yield f"model.layers.{layer}.post_attention_layernorm.weight", ones
+
+
+def _other_tensors(shape: ModelShape, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([seed, 1 << 20])
+    out = {
+        "model.embed_tokens.weight": rng.standard_normal((shape.vocab, shape.hidden), np.float32),
+        "model.norm.weight": np.ones(shape.hidden, np.float32),
+    }
+    if not shape.tie_embeddings:
+        head = rng.standard_normal((shape.vocab, shape.hidden), np.float32)
+        out["lm_head.weight"] = head / np.float32(np.sqrt(shape.hidden))
+    return out
+
+
+def write_synthetic(
+    directory: Path, shape: ModelShape, tokenizer_from: Path, *, seed: int = 0
+) -> Path:
+    """Write the synthetic float32 checkpoint of ``shape``: one safetensors shard per layer."""
+    import safetensors.numpy
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(shape.config(), indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, directory / name)
+    shards = shape.layers + 1
+    weight_map: dict[str, str] = {}
+
+    def save(index: int, tensors: dict[str, np.ndarray]) -> None:
+        name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        safetensors.numpy.save_file(tensors, directory / name)
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    for layer in range(shape.layers):
+        save(layer, dict(_layer_tensors(shape, layer, seed)))
+    save(shape.layers, _other_tensors(shape, seed))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, indent=2)
+    )
+    return directory
+
+
+def _permute_rope(W: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation: half-split RoPE pairs to interleaved pairs, per head."""
+    out_dim = W.shape[0]
+    return W.reshape(heads, 2, out_dim // heads // 2, -1).swapaxes(1, 2).reshape(W.shape)
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_gguf(checkpoint: Path, out: Path, shape: ModelShape, *, quant: str = "q4_0") -> int:
+    """Write ``checkpoint`` as a GGUF file with every matrix in ``quant`` (``q4_0``) and the
+    norms in float32, as MAX's CPU 4-bit Llama reads it; returns the tensor bytes written."""
+    import gguf
+    from safetensors import safe_open
+
+    qtype = {"q4_0": gguf.GGMLQuantizationType.Q4_0}[quant]
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_vocab_size(shape.vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    total = 0
+    for key in sorted(index, key=_gguf_order):
+        with safe_open(checkpoint / index[key], "numpy") as f:
+            W = f.get_tensor(key)
+        name = _gguf_name(key)
+        if key.endswith("q_proj.weight"):
+            W = _permute_rope(W, shape.heads)
+        elif key.endswith("k_proj.weight"):
+            W = _permute_rope(W, shape.kv_heads)
+        if W.ndim == 2:
+            data = gguf.quants.quantize(W, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+        else:
+            data = W.astype(np.float32)
+            writer.add_tensor(name, data)
+        total += data.nbytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return total
+
+
+def _gguf_order(key: str) -> tuple[int, str]:
+    parts = key.split(".")
+    return (int(parts[2]) if parts[1] == "layers" else -1, key)
+
+
+def _gguf_name(key: str) -> str:
+    if key == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if key == "model.norm.weight":
+        return "output_norm.weight"
+    if key == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, *rest = key.split(".")
+    module = ".".join(rest[:-1])
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
