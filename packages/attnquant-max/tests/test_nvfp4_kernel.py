@@ -45,7 +45,7 @@ def test_random_packed_weights_are_a_valid_nvfp4_tensor():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("nvfp4")
+@pytest.mark.xdist_group("nvfp4-fused")
 def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -87,7 +87,7 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("nvfp4")
+@pytest.mark.xdist_group("nvfp4-fused")
 def test_start_up_measurement_checks_the_fused_op_and_logs_the_choice(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
