@@ -114,7 +114,7 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
     try:
         return load_pipeline(path, config=replace(AttnquantConfig(), **overrides), **common), how
     except NotImplementedError as exc:
-        if overrides.get("precompute_outside", True) is not False:
+        if overrides.get("precompute_outside", True):  # not an in-graph request: a real error
             raise
         reason = str(exc).split(". ")[0]
         loaded = load_pipeline(path, config=AttnquantConfig(), **common)

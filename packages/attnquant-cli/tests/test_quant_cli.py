@@ -9,18 +9,7 @@ import pytest
 
 from attnquant_cli import cli
 from attnquant_core import ThetaCheckpoint, dequantize_nvfp4, open_checkpoint, quantize_nvfp4
-from attnquant_core.testing import make_weights, write_checkpoint
-
-#: attnquant_core.testing's families with every input dimension a multiple of 16.
-SHAPES16 = {
-    "self_attn.q_proj": (32, 32),
-    "self_attn.k_proj": (16, 32),
-    "self_attn.v_proj": (16, 32),
-    "self_attn.o_proj": (32, 32),
-    "mlp.gate_proj": (48, 32),
-    "mlp.up_proj": (48, 32),
-    "mlp.down_proj": (32, 48),
-}
+from attnquant_core.testing import SHAPES16, make_weights, write_checkpoint
 
 
 @pytest.fixture

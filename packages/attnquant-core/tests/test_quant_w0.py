@@ -33,18 +33,8 @@ from attnquant_core.calib import whitening, write_stats
 from attnquant_core.fit._decompose import quantized_band
 from attnquant_core.fit._whitened import fit_layer_whitened
 from attnquant_core.io import PlannedWriter, read_tensor_directory
-from attnquant_core.testing import make_weights, write_checkpoint
+from attnquant_core.testing import SHAPES16, make_weights, write_checkpoint
 
-#: Every input dimension a multiple of 16 (NVFP4 blocks), else like attnquant_core.testing's.
-SHAPES16 = {
-    "self_attn.q_proj": (32, 32),
-    "self_attn.k_proj": (16, 32),
-    "self_attn.v_proj": (16, 32),
-    "self_attn.o_proj": (32, 32),
-    "mlp.gate_proj": (48, 32),
-    "mlp.up_proj": (48, 32),
-    "mlp.down_proj": (32, 48),
-}
 L = 3
 
 

@@ -55,11 +55,11 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     faster form, which on the tiny model's 128x64 projections can be either; here the fused
     form is forced and must give the stock model on the numpy-dequantized weights.
     """
-    from attnquant_max import _ingraph, greedy_generate, greedy_logprobs
+    from attnquant_max import _ingraph
     from attnquant_max._nvfp4_layers import NVFP4Linear
 
     from .conftest import load_tiny, write_tiny_llama
-    from .test_nvfp4_serving import NVFP4, PROMPTS, _dequantized_tensors
+    from .test_nvfp4_serving import NVFP4, _dequantized_tensors, assert_serves_like
 
     calls = []
     fused_call = NVFP4Linear.fused_call
@@ -77,13 +77,7 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     fused = replace(NVFP4, nvfp4_kernel="fused")
     with load_tiny(tiny_dense, fused) as model, load_tiny(reference_dir) as reference:
         assert calls and len(calls) % (LAYERS * len(PROJECTIONS)) == 0  # every projection
-        for prompt in PROMPTS:
-            ids = reference.encode(prompt)
-            tokens = greedy_generate(reference, ids, 8)
-            assert greedy_generate(model, ids, 8) == tokens
-            want = greedy_logprobs(reference, ids, tokens).logprobs
-            got = greedy_logprobs(model, ids, tokens).logprobs
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+        assert_serves_like(model, reference)
 
 
 @pytest.mark.slow

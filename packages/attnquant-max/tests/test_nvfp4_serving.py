@@ -117,13 +117,18 @@ def test_served_nvfp4_is_the_stock_model_on_dequantized_weights(
 ) -> None:
     reference_dir = write_tiny_llama(tmp_path / "dequantized", _dequantized_tensors())
     with load_tiny(reference_dir) as reference:  # the stock graph (cached), reference weights
-        for prompt in PROMPTS:
-            ids = reference.encode(prompt)
-            tokens = greedy_generate(reference, ids, 8)
-            assert greedy_generate(nvfp4_model, ids, 8) == tokens
-            want = greedy_logprobs(reference, ids, tokens).logprobs
-            got = greedy_logprobs(nvfp4_model, ids, tokens).logprobs
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+        assert_serves_like(nvfp4_model, reference)
+
+
+def assert_serves_like(model: LoadedModel, reference: LoadedModel) -> None:
+    """``model`` gives ``reference``'s greedy tokens and its log-probs (to 1e-4) on PROMPTS."""
+    for prompt in PROMPTS:
+        ids = reference.encode(prompt)
+        tokens = greedy_generate(reference, ids, 8)
+        assert greedy_generate(model, ids, 8) == tokens
+        want = greedy_logprobs(reference, ids, tokens).logprobs
+        got = greedy_logprobs(model, ids, tokens).logprobs
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow

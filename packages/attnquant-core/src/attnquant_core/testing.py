@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
-__all__ = ["SHAPES", "llama_config", "make_weights", "write_byte_tokenizer", "write_checkpoint"]
+__all__ = [
+    "SHAPES",
+    "SHAPES16",
+    "llama_config",
+    "make_weights",
+    "write_byte_tokenizer",
+    "write_checkpoint",
+]
 
 SHAPES = {
     "self_attn.q_proj": (32, 24),
@@ -22,6 +29,18 @@ SHAPES = {
     "mlp.gate_proj": (40, 24),
     "mlp.up_proj": (40, 24),
     "mlp.down_proj": (24, 40),
+}
+
+#: Like :data:`SHAPES` with every input dimension a multiple of 16 (one NVFP4 block), for the
+#: 4-bit ``W0`` tests.
+SHAPES16 = {
+    "self_attn.q_proj": (32, 32),
+    "self_attn.k_proj": (16, 32),
+    "self_attn.v_proj": (16, 32),
+    "self_attn.o_proj": (32, 32),
+    "mlp.gate_proj": (48, 32),
+    "mlp.up_proj": (48, 32),
+    "mlp.down_proj": (32, 48),
 }
 
 
