@@ -309,24 +309,30 @@ def test_any_layer_pattern_round_trips(
 
 # -- a uniform model is written as before ------------------------------------------------------
 
-# sha256 of every file attnquant-core wrote for the tiny Gemma 3 before grouping existed
-# (attnquant.json with its source path and writer blanked): the format of uniform models is
-# unchanged, byte for byte.
+# What attnquant-core wrote for the tiny Gemma 3 before grouping existed (739045b^), reduced to
+# what does not depend on the machine's floating-point arithmetic: BLAS kernels differ between
+# CPUs in the last bits of norms, errors and SVD factors, so whole-file hashes recorded on one
+# machine fail on another. Kept exact: the safetensors header of every shard (names, dtypes,
+# shapes, offsets, metadata), the digest file's keys, and the manifest with each float replaced
+# by a placeholder (every key, string, integer, rank, band and form); at passthrough also every
+# tensor byte, a copy of the source's bf16. On one machine the old and the new code were checked
+# to write the same files byte for byte (all three runs).
 GOLDEN = {
     "passthrough": {
-        "attnquant.digests.json": "611308ffcd24bb0c97d889a8a17c37f30470818370f698f5680c1b54467982d1",
-        "attnquant.json": "7a1b6d02ec35ee5166e99630e83197d7c0c1b6355636eb87a9ba003fcc118be2",
-        "model.safetensors": "644243e52881f5150954e91ca622adc68cd2bc98a6265ea79be20ba687d61368",
+        "attnquant.digests.json": "0c01225ba740818dffcd70f116945a7d0dbdd4ac7d9de090db4f1cddd91b172b",
+        "attnquant.json": "954133aa97b633c4a59c87ff7f9754d4fc7a89906a946def17a6879f07be5903",
+        "model.safetensors": "af9ca58f401d38c83e0bbed8d3b60a2663585008b89b26e8b59ebcdd238dd55c",
+        "model.safetensors bytes": "644243e52881f5150954e91ca622adc68cd2bc98a6265ea79be20ba687d61368",
     },
     "g2r4": {
-        "attnquant.digests.json": "b9a7edcdb1b46ec975275f898b5e2e521be1a386f5be25c7825af93bb5c7d107",
-        "attnquant.json": "ba0602c96fc5005125c1d0de0fa37280768be55d8c3a24163c70b7f6ab69e85f",
-        "model.safetensors": "b16f03cd3ce9a6da436a8d2a477bd729f40b3099fefa45c1764ce71378586e61",
+        "attnquant.digests.json": "2c875cbbe1f8ebf7a6e1dbc6e51499830a9ce904a200e684e62153d299be14ed",
+        "attnquant.json": "880c25e4bc6aaefd6fbef686f57ebd17ce0a8ff564aa7f1411ce7f149294e21d",
+        "model.safetensors": "b889daa86e43c8ad22b5e673e34ff71de5cdbcd76511999be1dcdda21175b339",
     },
     "budget": {
-        "attnquant.digests.json": "1e356a3e6ca02a7ae2798a3fb50c538ebe78e7b738571de58f8d0426288015c5",
-        "attnquant.json": "555649822e46be7dd6ad2865fe2c0b960fcc2c45222efedfe3402c020cb96438",
-        "model.safetensors": "3c6e13a297aec358456eb7396225415633deaf1cace25fe28c206b3d5e25bca4",
+        "attnquant.digests.json": "403dd3a06466a25ea7bf465451495d0b0a49b40c01e21ee27c74c568a06f6091",
+        "attnquant.json": "cdf4737f54441067108822c9dfdcc21601c81dc60a4b50d948e672cacf3d909c",
+        "model.safetensors": "ed14a5080d3e7e1b5d26ce437e41cce86a8475ee2cd599131d43616193b1089e",
     },
 }
 RUNS = {
@@ -336,7 +342,19 @@ RUNS = {
 }
 
 
-def _digest(out: Path) -> dict[str, str]:
+def _no_floats(value: object) -> object:
+    """``value`` with every float replaced by a placeholder (ints, strings and structure kept)."""
+    if isinstance(value, float):
+        return "<float>"
+    if isinstance(value, dict):
+        return {k: _no_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_floats(v) for v in value]
+    return value
+
+
+def _digest(out: Path, *, tensor_bytes: bool = False) -> dict[str, str]:
+    """sha256 of the machine-independent part of each file attnquant-core wrote (see GOLDEN)."""
     found = {}
     for f in sorted(out.iterdir()):
         data = f.read_bytes()
@@ -346,9 +364,24 @@ def _digest(out: Path) -> dict[str, str]:
             manifest = json.loads(data)
             manifest["source"]["path"] = ""
             manifest["writer"] = ""
-            data = json.dumps(manifest, indent=2).encode()
+            data = json.dumps(_no_floats(manifest), indent=2).encode()
+        elif f.name == "attnquant.digests.json":
+            data = json.dumps(_no_floats(_keys_only(json.loads(data))), indent=2).encode()
+        elif f.suffix == ".safetensors":
+            if tensor_bytes:
+                found[f"{f.name} bytes"] = hashlib.sha256(data).hexdigest()
+            data = data[: 8 + int.from_bytes(data[:8], "little")]  # length + JSON header
         found[f.name] = hashlib.sha256(data).hexdigest()
     return found
+
+
+def _keys_only(value: object) -> object:
+    """A digest file with every sha256 blanked: which tensors of which file, not their values."""
+    if isinstance(value, dict):
+        return {k: _keys_only(v) for k, v in value.items()}
+    if isinstance(value, str) and len(value) == 64:
+        return ""
+    return value
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
@@ -359,4 +392,4 @@ def test_uniform_model_theta_checkpoint_is_byte_identical_to_before(
     out = src.parent / run
     manifest = decompose_checkpoint(src, out, **RUNS[run])  # type: ignore[arg-type]
     assert manifest["format_version"] == 2
-    assert _digest(out) == GOLDEN[run]
+    assert _digest(out, tensor_bytes=run == "passthrough") == GOLDEN[run]
