@@ -24,6 +24,15 @@ With ``fused=True`` a projection is instead one ``generated_linear_nvfp4`` dispa
 (attnquant-kernels), which decodes the packed codes inside its dot product and never writes
 ``W`` out: a decode step reads 4.5 bits per weight. :func:`nvfp4_fused` makes the choice once
 per process and device by timing both on one projection at start-up, and logs it.
+
+The same layer serves a theta checkpoint whose ``W0`` is stored in NVFP4 (format version 4)
+in the graph: ``theta=True`` adds the layer's ``theta_s`` (and, at ``rank > 0``, ``theta_U``,
+``theta_V``), and ``band`` hands it the three packed tensors of its band, owned once per band
+by the model (:class:`~attnquant_max._layers.ThetaSharedBlocks`), so the projection is
+``y = s * (x W0^T) + (x V) U^T`` with ``W0`` decoded from 4.5 bits per weight: one
+``generated_linear_nvfp4(x, W0_packed, W0_scale, W0_scale_2, s, U, V)`` dispatch (fused), or
+``W0`` dequantized in the graph, one matmul, the row scale and two matmuls for ``U V^T``
+(dequantize). Without ``theta`` the graph is exactly the ``ATTNQUANT_QUANT=nvfp4`` one.
 """
 
 from __future__ import annotations
@@ -38,12 +47,14 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
 
+from attnquant_kernels import MAX_RANK
 from attnquant_kernels.graph import generated_linear_nvfp4
 
 from ._nvfp4 import BLOCK_SIZE, E2M1_VALUES, E4M3_VALUES, check_nvfp4_shape
 
 __all__ = [
     "E2M1_PAIR_TABLE",
+    "NVFP4Band",
     "NVFP4Linear",
     "NVFP4StackedLinear",
     "dequantize_in_graph",
@@ -61,6 +72,9 @@ E2M1_PAIR_TABLE = np.stack(
 # float8_e4m3fn bytes 0x7F and 0xFF are NaN; a quantizer never writes them (scales are finite
 # and non-negative), so the table maps them to NaN too and a corrupt byte shows up as NaN.
 _E4M3_TABLE = E4M3_VALUES.astype(np.float32)
+
+#: One NVFP4 weight held elsewhere: ``(packed codes, E4M3 scale bytes, per-tensor scale)``.
+NVFP4Band = tuple[Weight, Weight, Weight]
 
 
 def dequantize_in_graph(
@@ -85,54 +99,116 @@ def dequantize_in_graph(
 
 class NVFP4Linear(Module):
     """``y = x @ W^T`` with ``W`` held as NVFP4 (no bias): dequantized in the graph, or with
-    ``fused=True`` one ``generated_linear_nvfp4`` dispatch.
+    ``fused=True`` one ``generated_linear_nvfp4`` dispatch; with ``theta=True`` the theta
+    projection ``y = s * (x W0^T) + (x V) U^T`` over an NVFP4 ``W0``.
 
-    Weights ``weight`` (uint8 ``[out, in/2]``), ``weight_scale`` (uint8 ``[out, in/16]``,
-    float8_e4m3fn bytes) and ``weight_scale_2`` (float32 ``[1]``), the checkpoint's names.
-    ``dtype`` is the activation dtype the dequantized weight is cast to.
+    Parameters
+    ----------
+    in_dim, out_dim : int
+        ``W`` is ``[out_dim, in_dim]``; ``in_dim`` a multiple of 16.
+    dtype : DType
+        The activation dtype (the dequantized weight is cast to it; ``s``, ``U``, ``V`` are in it).
+    device : DeviceRef
+    fused : bool
+        One ``generated_linear_nvfp4`` dispatch instead of dequantize-then-matmul.
+    band : NVFP4Band, optional
+        The packed ``W0`` of this layer's band, registered by its owner (one copy per band);
+        this module holds a reference. ``None``: the module owns ``weight``,
+        ``weight_scale`` (uint8 ``[out, in/16]``, float8_e4m3fn bytes) and ``weight_scale_2``
+        (float32 ``[1]``), the checkpoint names of ``ATTNQUANT_QUANT=nvfp4``.
+    theta : bool
+        Hold ``theta_s [out]`` and scale the rows by it.
+    rank : int
+        With ``theta``: hold ``theta_U [out, r]`` and ``theta_V [in, r]`` and add ``(x V) U^T``
+        (inside the fused op up to ``attnquant_kernels.MAX_RANK``, two matmuls above it).
     """
 
     def __init__(
-        self, in_dim: int, out_dim: int, *, dtype: DType, device: DeviceRef, fused: bool = False
+        self,
+        in_dim: int,
+        out_dim: int,
+        *,
+        dtype: DType,
+        device: DeviceRef,
+        fused: bool = False,
+        band: NVFP4Band | None = None,
+        theta: bool = False,
+        rank: int = 0,
     ) -> None:
         super().__init__()
         check_nvfp4_shape((out_dim, in_dim))
+        if rank and not theta:
+            raise ValueError("NVFP4Linear: a correction of rank > 0 needs theta=True")
         self.in_dim, self.out_dim, self.dtype, self.fused = in_dim, out_dim, dtype, fused
-        self.weight = Weight("weight", DType.uint8, [out_dim, in_dim // 2], device=device)
-        self.weight_scale = Weight(
-            "weight_scale", DType.uint8, [out_dim, in_dim // BLOCK_SIZE], device=device
+        self.theta, self.rank = theta, rank
+        shapes = ([out_dim, in_dim // 2], [out_dim, in_dim // BLOCK_SIZE], [1])
+        if band is None:
+            self.weight = Weight("weight", DType.uint8, shapes[0], device=device)
+            self.weight_scale = Weight("weight_scale", DType.uint8, shapes[1], device=device)
+            self.weight_scale_2 = Weight("weight_scale_2", DType.float32, shapes[2], device=device)
+            band = (self.weight, self.weight_scale, self.weight_scale_2)
+        else:
+            got = [list(w.shape.static_dims) for w in band]
+            if got != list(shapes) or [w.dtype for w in band] != [DType.uint8] * 2 + [
+                DType.float32
+            ]:
+                raise ValueError(
+                    f"NVFP4 band {band[0].name}: {got} does not hold a [{out_dim}, {in_dim}] "
+                    f"NVFP4 weight (expected {list(shapes)}, uint8/uint8/float32)"
+                )
+        # A reference, not a registered weight, when the band's owner registers it.
+        object.__setattr__(self, "_band", band)
+        if theta:
+            self.theta_s = Weight("theta_s", dtype, [out_dim], device=device)
+        if rank:
+            self.theta_U = Weight("theta_U", dtype, [out_dim, rank], device=device)
+            self.theta_V = Weight("theta_V", dtype, [in_dim, rank], device=device)
+
+    def _packed(self, device: DeviceRef) -> tuple[TensorValue, TensorValue, TensorValue]:
+        w, ws, ws2 = self._band
+        return (
+            TensorValue(w).to(device),
+            TensorValue(ws).to(device),
+            TensorValue(ws2).to(device),
         )
-        self.weight_scale_2 = Weight("weight_scale_2", DType.float32, [1], device=device)
 
     def dequantized(self, device: DeviceRef) -> TensorValue:
-        """The dense ``W [out, in]``, rebuilt in the graph."""
-        return dequantize_in_graph(
-            TensorValue(self.weight).to(device),
-            TensorValue(self.weight_scale).to(device),
-            TensorValue(self.weight_scale_2).to(device),
-            self.dtype,
-        )
+        """The dense ``W [out, in]`` (``W0`` of a theta layer), rebuilt in the graph."""
+        return dequantize_in_graph(*self._packed(device), self.dtype)
+
+    def correction(self, x: TensorValue) -> TensorValue:
+        """``(x V) U^T`` (theta layers of ``rank > 0``)."""
+        return (x @ self.theta_V.to(x.device)) @ self.theta_U.to(x.device).T
+
+    def finish(self, h: TensorValue, x: TensorValue) -> TensorValue:
+        """``s * h + (x V) U^T`` from ``h = x W0^T`` (``h`` itself without ``theta``)."""
+        if not self.theta:
+            return h
+        y = h * self.theta_s.to(x.device)
+        return y + self.correction(x) if self.rank else y
 
     def fused_call(self, x: TensorValue) -> TensorValue:
-        """``x @ W^T`` as one ``generated_linear_nvfp4`` dispatch (leading dims folded)."""
+        """The projection as one ``generated_linear_nvfp4`` dispatch (leading dims folded)."""
         lead = list(x.shape[:-1])
         flat = ops.reshape(x, [-1, self.in_dim]) if x.rank != 2 else x
-        y = generated_linear_nvfp4(
-            flat,
-            TensorValue(self.weight).to(x.device),
-            TensorValue(self.weight_scale).to(x.device),
-            TensorValue(self.weight_scale_2).to(x.device),
-        )
+        s = TensorValue(self.theta_s).to(x.device) if self.theta else None
+        in_kernel = 0 < self.rank <= MAX_RANK
+        U = TensorValue(self.theta_U).to(x.device) if in_kernel else None
+        V = TensorValue(self.theta_V).to(x.device) if in_kernel else None
+        y = generated_linear_nvfp4(flat, *self._packed(x.device), s, U, V)
+        if self.rank > MAX_RANK:  # above the kernel's rank limit: the correction as two matmuls
+            y = y + self.correction(flat)
         return ops.reshape(y, [*lead, self.out_dim]) if x.rank != 2 else y
 
     def __call__(self, x: TensorValue) -> TensorValue:
         if self.fused:
             return self.fused_call(x)
-        return x @ self.dequantized(x.device).T
+        return self.finish(x @ self.dequantized(x.device).T, x)
 
 
 class NVFP4StackedLinear(Module):
-    """Projections of one input (q/k/v, gate/up): dequantized, concatenated, one matmul.
+    """Projections of one input (q/k/v, gate/up): dequantized, concatenated, one matmul (then
+    each theta member's row scale and correction on its columns), or one fused dispatch each.
 
     The stock ``StackedLinear`` concatenates its members' weights the same way; its own
     attribute name is left out of the weight names (``self_attn.q_proj.weight``).
@@ -162,7 +238,14 @@ class NVFP4StackedLinear(Module):
         if all(m.fused for m in members):  # one dispatch per member, outputs side by side
             return ops.concat([m.fused_call(x) for m in members], axis=-1)
         W = ops.concat([m.dequantized(x.device) for m in members], axis=0)
-        return x @ W.T
+        h = x @ W.T
+        if not any(m.theta for m in members):
+            return h
+        outs, start = [], 0
+        for m in members:  # each member's row scale and correction on its columns
+            outs.append(m.finish(h[..., start : start + m.out_dim], x))
+            start += m.out_dim
+        return ops.concat(outs, axis=-1)
 
 
 def measure_nvfp4(

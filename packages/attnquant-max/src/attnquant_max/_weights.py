@@ -43,7 +43,9 @@ from attnquant_core import (
     open_checkpoint,
     parse_projection_key,
     rebuild_dense_state,
+    theta_key,
 )
+from attnquant_core.io import nvfp4_key
 
 from ._config import (
     PATH_DESCRIPTIONS,
@@ -54,6 +56,7 @@ from ._config import (
     serving_path,
 )
 from ._layout import InGraphLayout, ingraph_tensors
+from ._nvfp4_theta import NVFP4ThetaLayout
 
 __all__ = [
     "ServingPlan",
@@ -80,6 +83,17 @@ NVFP4_EMULATED = (
     "dispatch decoding the packed bytes in registers (auto: the faster, timed at start-up); no "
     "native FP4 matmul is used"
 )
+
+#: How each form of ``ATTNQUANT_NVFP4_KERNEL`` runs a projection of an NVFP4-``W0`` checkpoint.
+_NVFP4_THETA_KERNEL = {
+    "fused": "each projection one generated_linear_nvfp4(x, W0_packed, W0_scale, W0_scale_2, s, "
+    "U, V) dispatch, W0 decoded in registers (ATTNQUANT_NVFP4_KERNEL=fused)",
+    "dequantize": "W0 dequantized in the graph, then s*(x W0^T) + (x V) U^T "
+    "(ATTNQUANT_NVFP4_KERNEL=dequantize)",
+    "auto": "each projection one fused generated_linear_nvfp4 dispatch or W0 dequantized in the "
+    "graph then s*(x W0^T) + (x V) U^T, the faster as timed at start-up "
+    "(ATTNQUANT_NVFP4_KERNEL=auto)",
+}
 
 #: How many offending keys an error message lists before it says "and N more".
 _MAX_LISTED = 24
@@ -129,6 +143,12 @@ class ServingPlan:
         when the families do not share one banded ``G``.
     reason : str or None
         Why the path was chosen, when not from ``ATTNQUANT_*`` and the accelerator alone.
+    nvfp4_w0 : bool
+        A theta checkpoint whose every ``W0`` is stored in NVFP4 (format version 4), served in
+        the graph as stored: the packed ``W0`` once per band, ``s``, ``U``, ``V`` per layer
+        (:meth:`nvfp4_theta_state`; ``path`` is ``"gemm"``). Such a checkpoint on the
+        precompute-outside path without ``ATTNQUANT_QUANT`` is rebuilt dense instead
+        (``nvfp4_w0`` is ``False`` then).
     """
 
     model_path: Path
@@ -140,6 +160,7 @@ class ServingPlan:
     accelerator_api: str | None = None
     forms: dict[str, str] = field(default_factory=dict)
     reason: str | None = None
+    nvfp4_w0: bool = False
     config: AttnquantConfig = field(repr=False)
 
     @property
@@ -153,8 +174,12 @@ class ServingPlan:
 
     @property
     def quantized(self) -> bool:
-        """Whether each ``W_eff`` is quantized at load (``ATTNQUANT_QUANT=nvfp4``)."""
-        return self.config.quant is not None
+        """Whether each ``W_eff`` is quantized at load (``ATTNQUANT_QUANT=nvfp4``).
+
+        ``False`` for a checkpoint whose ``W0`` is already NVFP4 (:attr:`nvfp4_w0`): it is
+        served as stored, never quantized twice.
+        """
+        return self.config.quant is not None and not self.nvfp4_w0
 
     @property
     def in_graph(self) -> bool:
@@ -189,6 +214,14 @@ class ServingPlan:
             counts = Counter(self.forms.values())
             g = f"{self.blocks} (forms: " + ", ".join(f"{n} {f}" for f, n in counts.items()) + ")"
         how = "theta keys" if self.source == "theta" else "decomposition at load"
+        if self.nvfp4_w0:
+            return (
+                f"attnquant: serving {where} in the graph with its NVFP4 W0 held packed as "
+                f"stored (E2M1 codes, E4M3 scale per 16 inputs, FP32 per-tensor scale; one copy "
+                f"per band, 4.5 bits per weight; not dequantized at load) and s, U, V per "
+                f"layer: {_NVFP4_THETA_KERNEL[self.config.nvfp4_kernel]}; G={g}, "
+                f"r={self.rank}, L={self.num_layers}; chosen by {self._why()}"
+            )
         if self.in_graph:
             if self.path == "custom-op":
                 fused = (
@@ -264,6 +297,51 @@ class ServingPlan:
             fuse=self.config.qkv_fuse,
             dtype=dtypes,
         )
+
+    def nvfp4_theta_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """:attr:`nvfp4_w0`: every tensor the in-graph NVFP4 theta model reads, as stored.
+
+        The checkpoint's other tensors, then per family the three NVFP4 tensors of each band
+        (``W0_packed``, ``W0_scale`` as uint8 bytes, ``W0_scale_2`` as float32 ``[1]``) and each
+        layer's ``theta_s`` (``theta_U``, ``theta_V`` where ``r > 0``) in the family's source
+        dtype, under the checkpoint's names (:mod:`attnquant_max._nvfp4_theta`). Nothing is
+        dequantized: the bytes are the checkpoint's.
+
+        Raises
+        ------
+        attnquant_core.CheckpointError
+            A block scale byte is NaN (0x7F/0xFF) or a per-tensor scale is not finite and
+            positive; the message names the key.
+        """
+        ckpt = ThetaCheckpoint.open(self.model_path, blocks=self.config.blocks)
+        for key in ckpt.copied_keys():
+            yield key, ckpt.tensors.get(key)
+        for name, fam in ckpt.families.items():
+            dtype = dtype_from_name(fam.get("source_dtype", fam["dtype"]))
+            for band in range(max(fam["bands"]) + 1):
+                q = ckpt.nvfp4(name, band)
+                scale = q.weight_scale.view(np.uint8)
+                scale_2 = np.asarray(q.weight_scale_2, np.float32).reshape(1)
+                if ((scale & 0x7F) == 0x7F).any():
+                    raise CheckpointError(
+                        f"{self.model_path}: {nvfp4_key(name, band, 'scale')} holds NaN block "
+                        "scales (bytes 0x7F/0xFF)"
+                    )
+                if not (np.isfinite(scale_2).all() and scale_2[0] > 0):
+                    raise CheckpointError(
+                        f"{self.model_path}: {nvfp4_key(name, band, 'scale_2')} is {scale_2[0]}, "
+                        "not a finite positive scale"
+                    )
+                yield nvfp4_key(name, band, "packed"), np.ascontiguousarray(q.weight)
+                yield nvfp4_key(name, band, "scale"), np.ascontiguousarray(scale)
+                yield nvfp4_key(name, band, "scale_2"), scale_2
+            projection = ckpt.projection_of(name)
+            for i in ckpt.layers_of(name):
+                t = ckpt.layer(name, i)
+                parts = {"s": t.s, "U": t.U, "V": t.V} if t.rank else {"s": t.s}
+                for part, array in parts.items():
+                    key = theta_key(ckpt.stack, i, projection, part)
+                    yield key, np.ascontiguousarray(array.astype(dtype, copy=False))
 
     def quantized_state(self) -> Iterator[tuple[str, np.ndarray]]:
         """:meth:`state` with every projection ``W_eff`` quantized to NVFP4 (see below).
@@ -345,12 +423,15 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
         checkpoint whose keys do not match their bands.
     """
     config = current_config() if config is None else config
+    path = Path(model_path)
+    nvfp4 = _nvfp4_families(path)
+    if nvfp4 and (config.quant is not None or config.precompute or not config.precompute_outside):
+        return _plan_nvfp4_w0(path, config, nvfp4)
     api = None
     if (config.precompute or not config.precompute_outside) and config.gemm is None:
         api = _accelerator_api()
     require_implemented(config, api)
     how: dict[str, Any] = {"path": serving_path(config, api), "accelerator_api": api}
-    path = Path(model_path)
     if is_theta_checkpoint(path):
         ckpt = ThetaCheckpoint.open(path, blocks=config.blocks)
         forms = ckpt.forms
@@ -389,6 +470,93 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
         num_layers=num_layers,
         config=config,
         **how,
+    )
+
+
+def _nvfp4_families(path: Path) -> list[str]:
+    """The families of a theta checkpoint at ``path`` whose ``W0`` is NVFP4 (its manifest's
+    ``quant``); empty for a dense checkpoint or one without (errors are left to the open)."""
+    if not is_theta_checkpoint(path):
+        return []
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        return sorted(n for n, f in manifest["families"].items() if f.get("quant") == "nvfp4")
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return []
+
+
+def _plan_nvfp4_w0(path: Path, config: AttnquantConfig, nvfp4: list[str]) -> ServingPlan:
+    """The plan of a checkpoint whose ``W0`` is NVFP4 on an in-graph path or with
+    ``ATTNQUANT_QUANT=nvfp4``: its packed ``W0`` and ``s``, ``U``, ``V`` held in the graph.
+
+    ``ATTNQUANT_QUANT=nvfp4`` asks for a 4-bit model, which the checkpoint already is: it is
+    served as stored, so the correction ``U V^T`` fitted to the quantization error keeps its
+    effect, rather than ``W_eff = s Q(W0) + U V^T`` being quantized a second time (which would
+    quantize that correction away). Every other combination that would dequantize ``W0``
+    inside an in-graph path is refused in one line naming what to set.
+    """
+    families = ", ".join(nvfp4)
+    stored = f"{path}: stores W0 in NVFP4 ({families})"
+    rebuild = (
+        "or rebuild W_eff once at load with ATTNQUANT_PRECOMPUTE_OUTSIDE=1, ATTNQUANT_PRECOMPUTE=0 "
+        "and ATTNQUANT_QUANT unset (the defaults)"
+    )
+    if config.precompute:
+        raise NotImplementedError(
+            f"{stored}; in-graph precompute (ATTNQUANT_PRECOMPUTE=1) would form W_eff from a "
+            "dequantized W0 on every forward. Set ATTNQUANT_PRECOMPUTE=0 and "
+            f"ATTNQUANT_PRECOMPUTE_OUTSIDE=0 to serve W0 packed in the graph, {rebuild}"
+        )
+    if config.gemm is False:
+        raise NotImplementedError(
+            f"{stored}; the custom-op path (ATTNQUANT_GEMM=0: generated_linear, generated_mlp) "
+            "reads a float W0. Unset ATTNQUANT_GEMM (or set it to 1) to serve each projection "
+            "from the packed W0 (ATTNQUANT_NVFP4_KERNEL=fused: one generated_linear_nvfp4 "
+            f"dispatch; dequantize: W0 dequantized in the graph), {rebuild}"
+        )
+    ckpt = ThetaCheckpoint.open(path, blocks=config.blocks)
+    other = [
+        f"{name} ({fam['form']}{', float W0' if fam['form'] == 'banded' else ''})"
+        for name, fam in ckpt.families.items()
+        if fam.get("quant") != "nvfp4"
+    ]
+    if other:
+        raise NotImplementedError(
+            f"{stored}, but not {', '.join(other)}; the in-graph NVFP4 path serves checkpoints "
+            "whose every family is banded with an NVFP4 W0. Serve it with "
+            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_QUANT unset (the defaults), which "
+            "rebuild every family once at load"
+        )
+    grouped = [n for n, f in ckpt.families.items() if "layers" in f]
+    if grouped:
+        raise NotImplementedError(
+            f"{stored}; the in-graph NVFP4 path serves families of one shape across layers, and "
+            f"this model's layers differ in shape ({', '.join(grouped)}). Serve it with "
+            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_QUANT unset (the defaults), which "
+            "rebuild every family once at load"
+        )
+    if config.precompute_outside:
+        reason = (
+            f"ATTNQUANT_QUANT={config.quant} on a checkpoint whose W0 is already NVFP4: served "
+            "as stored, not quantized twice"
+        )
+    else:
+        gemm = "ATTNQUANT_GEMM=1" if config.gemm else "ATTNQUANT_GEMM unset"
+        reason = (
+            f"ATTNQUANT_PRECOMPUTE_OUTSIDE=0, {gemm} and a checkpoint whose W0 is NVFP4 (the "
+            "custom op reads a float W0)"
+        )
+    return ServingPlan(
+        model_path=path,
+        source="theta",
+        blocks=ckpt.blocks,
+        rank=ckpt.rank,
+        num_layers=ckpt.num_layers,
+        path="gemm",
+        forms=ckpt.forms,
+        reason=reason,
+        nvfp4_w0=True,
+        config=config,
     )
 
 
@@ -717,6 +885,14 @@ def rebuilt_weights(
             )
     plan = plan_serving(path)
     log_serving_path(plan)
+    if plan.nvfp4_w0:
+        if not in_graph:
+            raise NotImplementedError(
+                f"{name or 'this architecture'}: a checkpoint whose W0 is NVFP4 is served in the "
+                "graph for LlamaForCausalLM only; unset ATTNQUANT_QUANT and set "
+                "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the defaults) to rebuild W_eff once at load"
+            )
+        return {key: ArrayWeights(key, array) for key, array in plan.nvfp4_theta_state()}, plan
     if plan.quantized:
         if not in_graph:
             raise NotImplementedError(
@@ -793,12 +969,15 @@ class ThetaWeightAdapter:
             )
         expected = set(self.expected(huggingface_config, out))
         theta: set[str] = set()
-        if plan.in_graph:
-            layout = InGraphLayout.from_state(
-                {k: [int(d) for d in v.shape] for k, v in out.items()},
-                FAMILIES,
-                fuse=plan.config.qkv_fuse,
-            )
+        shapes = {k: [int(d) for d in v.shape] for k, v in out.items()}
+        if plan.nvfp4_w0:
+            nvfp4 = NVFP4ThetaLayout.from_state(shapes, FAMILIES)
+            if nvfp4 is None:
+                raise WeightKeyError(f"{plan.model_path}: the NVFP4 theta state holds no W0")
+            theta = nvfp4.keys()
+            expected = {k for k in expected if not k.endswith(_PROJECTION_WEIGHTS)}
+        elif plan.in_graph:
+            layout = InGraphLayout.from_state(shapes, FAMILIES, fuse=plan.config.qkv_fuse)
             if layout is None and plan.path != "gemm":
                 raise WeightKeyError(f"{plan.model_path}: the in-graph state holds no theta tensor")
             if layout is not None:  # GEMM with every layer served dense: the stock model
