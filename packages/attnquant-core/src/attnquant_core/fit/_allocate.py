@@ -1,6 +1,10 @@
 """Allocating a global budget over the candidate forms and ranks of every family (see
 :mod:`attnquant_core.fit._budget`): greedy ranks per form, forms from a Lagrangian, then
 improved one family at a time.
+
+The currency is the spectra's: stored numbers, or stored bytes when a quantized ``W0`` is
+among the candidates (:mod:`attnquant_core.fit._spectra_nvfp4`); every cost, the budget and
+the dense size are then bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._errors import DecompositionError
+from ..forms._bands import band_of_layers
+from ..io._manifest import stored_of
 from ._spectra import (
     Candidate,
     _check_forms,
@@ -40,7 +46,10 @@ class FamilyChoice:
 
     ``error2`` is the squared Frobenius error predicted from the singular values; ``error`` is
     it relative to the family's norm. ``measured_error`` is the relative error of the fitted
-    tensors (set once they are fitted).
+    tensors (set once they are fitted). ``stored`` and ``dense`` count numbers (a quantized
+    ``W0`` weight is one); a budget counted in bytes also sets ``stored_bytes`` (what the
+    family's tensors take) and ``dense_bytes`` (the dense family at the source dtype), and
+    ``quant`` names a quantized ``W0``.
     """
 
     name: str
@@ -55,6 +64,9 @@ class FamilyChoice:
     why: str
     label: str
     measured_error: float | None = None
+    quant: str | None = None
+    stored_bytes: int | None = None
+    dense_bytes: int | None = None
     candidate: Candidate | None = field(default=None, repr=False, compare=False)
     group_ranks: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
@@ -63,6 +75,15 @@ class FamilyChoice:
         return _relative(self.error2, self.norm2)
 
     def to_json(self) -> dict:
+        in_bytes = (
+            {}
+            if self.stored_bytes is None
+            else {
+                "quant": self.quant,
+                "stored_bytes": self.stored_bytes,
+                "dense_bytes": self.dense_bytes,
+            }
+        )
         return {
             "form": self.form,
             "label": self.label,
@@ -77,6 +98,7 @@ class FamilyChoice:
             "predicted_error": self.error,
             "measured_error": self.measured_error,
             "why": self.why,
+            **in_bytes,
         }
 
 
@@ -106,7 +128,9 @@ class BudgetReport:
 
     ``families`` is what was chosen, ``baseline`` the low-rank-only allocation at the same
     budget; ``used_baseline`` says no mix of forms beat it, so the answer is the baseline.
-    ``lam`` is the price per stored number of the Lagrangian start.
+    ``lam`` is the price per stored number (per byte when ``currency == "bytes"``) of the
+    Lagrangian start. ``currency`` is what ``budget`` divides: ``"parameters"`` (stored over
+    dense numbers) or ``"bytes"`` (stored over dense bytes, when a quantized ``W0`` competes).
     """
 
     budget: float
@@ -115,10 +139,21 @@ class BudgetReport:
     baseline: dict[str, FamilyChoice]
     used_baseline: bool
     manifest: dict | None = field(default=None, repr=False, compare=False)
+    currency: str = "parameters"
 
     @property
     def stored(self) -> int:
         return _sum(self.families, "stored")
+
+    @property
+    def stored_bytes(self) -> int | None:
+        """Bytes of every family's tensors (a budget counted in bytes; None otherwise)."""
+        return None if self.currency != "bytes" else _sum(self.families, "stored_bytes")
+
+    @property
+    def dense_bytes(self) -> int | None:
+        """Bytes of the dense projections at their source dtype (None unless counted in bytes)."""
+        return None if self.currency != "bytes" else _sum(self.families, "dense_bytes")
 
     @property
     def dense(self) -> int:
@@ -153,18 +188,33 @@ class BudgetReport:
         return _sum(self.baseline, "error2")
 
     def to_json(self) -> dict:
+        in_bytes = {}
+        if self.currency == "bytes":
+            assert self.stored_bytes is not None and self.dense_bytes is not None
+            in_bytes = {
+                "currency": "bytes",
+                "stored_bytes": self.stored_bytes,
+                "dense_bytes": self.dense_bytes,
+                "bytes_over_dense": self.stored_bytes / self.dense_bytes,
+            }
         return {
             "budget": self.budget,
             "lambda": self.lam,
             "stored_parameters": self.stored,
             "dense_parameters": self.dense,
             "stored_over_dense": self.stored / self.dense,
+            **in_bytes,
             "predicted_error": self.error,
             "measured_error": self.measured_error,
             "used_baseline": self.used_baseline,
             "baseline": {
                 "what": "per-layer truncated SVD with globally allocated ranks",
                 "stored_parameters": self.baseline_stored,
+                **(
+                    {"stored_bytes": _sum(self.baseline, "stored_bytes")}
+                    if self.currency == "bytes"
+                    else {}
+                ),
                 "predicted_error": self.baseline_error,
                 "families": {n: c.to_json() for n, c in self.baseline.items()},
             },
@@ -214,8 +264,18 @@ def _greedy(
     return err, ranks
 
 
-def _lagrangian(options: Sequence[Sequence[Candidate]], budget_params: int) -> tuple[float, list]:
-    """The form per family at the least price ``lam`` whose Lagrangian optimum fits the budget."""
+def _lagrangian(
+    options: Sequence[Sequence[Candidate]],
+    budget_params: int,
+    *,
+    dense: int,
+    currency: str = "parameters",
+) -> tuple[float, list]:
+    """The form per family at the least price ``lam`` whose Lagrangian optimum fits the budget.
+
+    ``dense`` (the dense size in ``currency``) names the smallest feasible budget in the error
+    raised when even the cheapest allowed forms do not fit.
+    """
 
     def pick(lam: float) -> list[tuple[Candidate, int]]:
         chosen = []
@@ -244,9 +304,12 @@ def _lagrangian(options: Sequence[Sequence[Candidate]], budget_params: int) -> t
         hi *= 4.0
     else:
         least = sum(min(c.fixed for c in opts) for opts in options)
+        unit = "numbers" if currency == "parameters" else "bytes"
+        smallest = math.ceil(least / dense * 1e4) / 1e4  # rounded up: it buys `least`
         raise DecompositionError(
-            f"the budget buys {budget_params} numbers but the forms allowed need at least "
-            f"{int(least)}; raise the budget or allow the lowrank form"
+            f"the budget buys {budget_params} {unit} but the forms allowed need at least "
+            f"{int(least)}; raise the budget or allow the lowrank form (the smallest budget "
+            f"these forms fit in is {smallest:g})"
         )
     lo = 0.0
     for _ in range(200):
@@ -261,24 +324,38 @@ def _lagrangian(options: Sequence[Sequence[Candidate]], budget_params: int) -> t
 
 
 def _solve(
-    spectra: Sequence[_Spectra], budget_params: int, forms: Sequence[str]
+    spectra: Sequence[_Spectra], budget_params: int, forms: Sequence[str], *, quantized: bool = True
 ) -> tuple[float, list[tuple[Candidate, np.ndarray]]]:
     """Forms and ranks for every family: ``(lam, [(candidate, group ranks)])``.
 
     Starts from the Lagrangian choice of forms and from "low rank everywhere", improves each by
     switching one family's form at a time (ranks re-allocated greedily each time) while the
     total error falls, and keeps the better. The low-rank start is the baseline, so the answer
-    is never worse than per-layer SVD with globally allocated ranks.
+    is never worse than per-layer SVD with globally allocated ranks. Where quantized ``W0``
+    candidates compete (``quantized=False`` leaves them out), the best answer of the float
+    forms alone is a start too, so a 4-bit ``W0`` is only taken where it lowers the total.
     """
-    options = [[c for c in s.candidates if c.form in forms] for s in spectra]
+    options = [
+        [c for c in s.candidates if c.form in forms and (quantized or c.quant is None)]
+        for s in spectra
+    ]
     for s, opts in zip(spectra, options, strict=True):
         if not opts:
             raise DecompositionError(f"{s.source.name}: no candidate form among {list(forms)}")
-    lam, start = _lagrangian(options, budget_params)
+    dense = sum(s.dense_cost for s in spectra)
+    currency = spectra[0].currency if spectra else "parameters"
+    lam, start = _lagrangian(options, budget_params, dense=dense, currency=currency)
     starts = [start]
     lowrank = [next((c for c in opts if c.form == "lowrank"), None) for opts in options]
     if all(c is not None for c in lowrank) and lowrank != start:
         starts.append(lowrank)
+    if quantized and any(c.quant is not None for opts in options for c in opts):
+        try:
+            floats = [c for c, _ in _solve(spectra, budget_params, forms, quantized=False)[1]]
+        except DecompositionError:  # the float forms alone do not fit: nothing to start from
+            floats = None
+        if floats is not None and floats not in starts:
+            starts.append(floats)
     best: tuple[float, list[Candidate], list[np.ndarray]] | None = None
     for assignment in starts:
         result = _greedy(assignment, budget_params)
@@ -304,8 +381,9 @@ def _solve(
 
 
 def _why(s: _Spectra, chosen: Candidate, stored: int, forms: Sequence[str]) -> str:
-    """One line: what was chosen, and what the best other form and low rank give at its size."""
-    dense = s.source.num_layers * s.source.shape[0] * s.source.shape[1]
+    """One line: what was chosen, and what the best other form and low rank give at its size
+    (``stored`` in the spectra's currency)."""
+    dense = s.dense_cost
 
     def rel(err: float) -> float:
         return _relative(err, s.norm2)
@@ -332,27 +410,34 @@ def _why(s: _Spectra, chosen: Candidate, stored: int, forms: Sequence[str]) -> s
 def _choices(
     spectra: Sequence[_Spectra], budget: float, forms: Sequence[str]
 ) -> tuple[float, dict[str, FamilyChoice]]:
-    dense = sum(s.source.num_layers * s.source.shape[0] * s.source.shape[1] for s in spectra)
+    dense = sum(s.dense_cost for s in spectra)
     lam, picked = _solve(spectra, math.floor(budget * dense), forms)
     out: dict[str, FamilyChoice] = {}
     for s, (c, group_ranks) in zip(spectra, picked, strict=True):
         L = s.source.num_layers
         taken = sum(float(np.sum(g[:k])) for g, k in zip(c.gains, group_ranks, strict=True))
-        stored = c.fixed + int(np.dot(group_ranks, c.unit_cost))
+        cost = c.fixed + int(np.dot(group_ranks, c.unit_cost))
+        ranks = tuple(c.layer_ranks(group_ranks, L))
+        stored, in_bytes = cost, {}
+        if s.currency == "bytes":  # costs are bytes; count the numbers from the form
+            bands = None if c.blocks is None else band_of_layers(L, c.blocks)
+            stored = stored_of(c.form, s.source.shape, ranks, bands, c.side)
+            in_bytes = {"stored_bytes": cost, "dense_bytes": s.dense_cost, "quant": c.quant}
         out[s.source.name] = FamilyChoice(
             name=s.source.name,
             form=c.form,
             blocks=c.blocks,
             side=c.side,
-            ranks=tuple(c.layer_ranks(group_ranks, L)),
+            ranks=ranks,
             stored=stored,
             dense=L * s.source.shape[0] * s.source.shape[1],
             error2=c.base - taken,
             norm2=s.norm2,
-            why=_why(s, c, stored, forms),
+            why=_why(s, c, cost, forms),
             label=c.label,
             candidate=c,
             group_ranks=tuple(int(k) for k in group_ranks),
+            **in_bytes,
         )
     return lam, out
 
@@ -369,4 +454,5 @@ def allocate(spectra: Sequence[_Spectra], budget: float, forms: Sequence[str]) -
         families=chosen,
         baseline=baseline,
         used_baseline=all(c.form == "lowrank" for c in chosen.values()),
+        currency=spectra[0].currency if spectra else "parameters",
     )

@@ -42,221 +42,24 @@ from pathlib import Path
 import numpy as np
 
 from .._errors import DecompositionError
-from ..forms._banded import FamilyTheta, LayerTheta
 from ..forms._bands import band_of_layers
-from ..forms._factored import LowRankFamily, SharedBasisFamily
-from ..forms._identity import compute_dtype
 from ..forms._measure import pooled_error
 from ..forms._model import ThetaFamily, ThetaModel
 from ..io._atomic import atomic_directory, copy_side_files
 from ..io._calibration import CalibrationStats
 from ..io._checkpoint import Checkpoint, open_checkpoint
-from ..io._manifest import (
-    basis_key,
-    family_entry,
-    shared_key,
-    theta_key,
-    theta_manifest,
-    write_manifest,
-)
-from ..io._manifest import theta_key as _theta_key
+from ..io._manifest import family_entry, theta_manifest, write_manifest
 from ..io._safetensors import PlannedWriter, TensorSpec
-from ..io._theta_write import copied_specs, family_specs, plain_specs, source_digest, write_copied
-from . import _spectra
+from ..io._theta_write import copied_specs, family_specs, plain_specs, write_copied
 from ._align_transforms import aligned_record
-from ._allocate import (
-    BudgetReport,
-    FamilyChoice,
-    allocate,
-    check_budget,
-)
-from ._decompose import DEFAULT_SVD, DecomposeProgress, SVDOptions, check_family_weights, fit_layer
-from ._spectra import (
-    _LOWRANK_SEED,
-    _SIDE_SEED,
-    DEFAULT_FORMS,
-    _band_basis,
-    _band_mean,
-    _check_forms,
-    _checkpoint_sources,
-    _matrix_sketch,
-    _Source,
-    _spectra_all,
-)
-from ._whiten import Whitening
-from ._whitened import Calibration, as_calibration, fit_layer_whitened, scaled_whitening
+from ._allocate import BudgetReport, FamilyChoice, allocate, check_budget
+from ._budget_fit import family_from, fit_family
+from ._decompose import DEFAULT_SVD, DecomposeProgress, SVDOptions, check_family_weights
+from ._spectra import DEFAULT_FORMS, _check_forms, _checkpoint_sources, _Source
+from ._spectra_nvfp4 import budget_spectra
+from ._whitened import Calibration, as_calibration
 
 __all__ = ["decompose_budget", "fit_budget"]
-
-
-def _fit_family(
-    src: _Source,
-    choice: FamilyChoice,
-    *,
-    stack: str,
-    svd: SVDOptions,
-    emit: Callable[[str, np.ndarray], None],
-    progress: Callable[[DecomposeProgress], None] | None = None,
-    digests: dict[int, str] | None = None,
-    layers: Sequence[int] | None = None,
-    family: str | None = None,
-) -> tuple[list[float], list[float]]:
-    """Fit one family in its chosen form, one layer (or band) at a time; ``emit`` each tensor.
-
-    ``layers`` and ``family`` place a grouped family's per-layer keys (its decoder layers and
-    projection; default: layers ``0 .. L-1`` and ``src.name``).
-    Returns the per-layer relative errors and norms of what was stored.
-    """
-    c = choice.candidate
-    assert c is not None
-    name, L, store = src.name, src.num_layers, src.store
-    at = list(range(L)) if layers is None else list(layers)
-
-    def theta_key(stack: str, layer: int, name: str, part: str) -> str:
-        return _theta_key(stack, at[layer], family or name, part)
-
-    cdt = compute_dtype(np.result_type(src.dtype, store))
-    errors, norms = [0.0] * L, [0.0] * L
-
-    def read(layer: int) -> np.ndarray:
-        W = src.get(layer)
-        if digests is not None and layer not in digests:
-            digests[layer] = source_digest(W)
-        return W
-
-    def done(layer: int, W: np.ndarray, W_eff: np.ndarray) -> None:
-        Wc = np.asarray(W, cdt)
-        norms[layer] = float(np.linalg.norm(Wc))
-        diff = float(np.linalg.norm(Wc - W_eff))
-        errors[layer] = diff / norms[layer] if norms[layer] > 0 else 0.0
-        if progress is not None:
-            progress(DecomposeProgress(name, layer, L, errors[layer]))
-
-    def white(layer: int) -> Whitening | None:
-        return src.white(layer) if src.white is not None else None
-
-    if c.form == "lowrank":
-        for layer in range(L):
-            W = read(layer)
-            r = choice.ranks[layer]
-            w = white(layer)
-            if r and w is not None:  # the SVD of c W S, cut where the spectra were taken
-                M, scale = scaled_whitening(W, w)
-                U, V, _ = _matrix_sketch(M.astype(cdt), c.caps[layer], svd, (_LOWRANK_SEED, layer))
-                U = (U[:, :r] / scale).astype(store)
-                V = w.unwhiten(np.asarray(V[:, :r], np.float64)).astype(store)
-            elif r:
-                U, V, _ = _matrix_sketch(
-                    np.asarray(W, cdt), c.caps[layer], svd, (_LOWRANK_SEED, layer)
-                )
-                U, V = U[:, :r].astype(store), V[:, :r].astype(store)
-            else:
-                U, V = np.zeros((src.shape[0], 0), store), np.zeros((src.shape[1], 0), store)
-            emit(theta_key(stack, layer, name, "U"), U)
-            emit(theta_key(stack, layer, name, "V"), V)
-            done(layer, W, U.astype(cdt) @ V.astype(cdt).T)
-    elif c.form == "banded":
-        G = c.blocks
-        assert G is not None
-        bands = band_of_layers(L, G)
-        for b in range(G):
-            layers = [i for i in range(L) if bands[i] == b]
-            W0 = _band_mean(read, layers, src.shape, src.dtype, store)
-            emit(shared_key(name, b), W0)
-            for layer in layers:
-                W = read(layer)
-                w = white(layer)
-                fit_args = dict(
-                    dtype=store,
-                    svd=svd,
-                    seed=(G, b, layer),
-                    exact_max_dim=_spectra.BUDGET_EXACT_MAX_DIM,  # read late: tests lower it
-                    sketch_rank=c.caps[layer] if choice.ranks[layer] else None,
-                )
-                if w is None:
-                    fit = fit_layer(W, W0, choice.ranks[layer], **fit_args)
-                else:
-                    fit, _ = fit_layer_whitened(W, W0, choice.ranks[layer], w, **fit_args)
-                for part in ("s", "U", "V"):
-                    emit(theta_key(stack, layer, name, part), getattr(fit.theta, part))
-                norms[layer] = fit.norm
-                errors[layer] = fit.error
-                if progress is not None:
-                    progress(DecomposeProgress(name, layer, L, fit.error))
-    else:
-        G, side = c.blocks, c.side
-        assert G is not None and side is not None
-        for b, layers in enumerate(c.groups):
-            k = choice.group_ranks[b]
-            d = src.shape[1] if side == "in" else src.shape[0]
-            basis = np.zeros((d, 0))
-            if k:
-                # Calibrated (output side only): the basis of the whitened layers; the
-                # coefficients B^T W_l below are then exact under each layer's own whitening.
-                basis = _band_basis(
-                    read if src.white is None else src.whitened_get,
-                    layers,
-                    side,
-                    src.shape,
-                    c.caps[b],
-                    svd,
-                    (_SIDE_SEED[side], G, b),
-                    vectors=True,
-                )[1]
-                assert basis is not None
-            B = np.ascontiguousarray(basis[:, :k]).astype(store)
-            emit(basis_key(name, b), B)
-            Bc = B.astype(cdt)
-            for layer in layers:
-                W = read(layer)
-                Wc = np.asarray(W, cdt)
-                if side == "in":
-                    coef = (Wc @ Bc).astype(store)  # U_l [out, k]
-                    emit(theta_key(stack, layer, name, "U"), coef)
-                    W_eff = coef.astype(cdt) @ Bc.T
-                else:
-                    coef = (Wc.T @ Bc).astype(store)  # V_l [in, k]
-                    emit(theta_key(stack, layer, name, "V"), coef)
-                    W_eff = Bc @ coef.astype(cdt).T
-                done(layer, W, W_eff)
-    return errors, norms
-
-
-def _family_from(
-    stack: str, choice: FamilyChoice, tensors: Mapping[str, np.ndarray], L: int
-) -> ThetaFamily:
-    name = choice.name
-    key = theta_key
-    if choice.form == "lowrank":
-        return LowRankFamily(
-            name=name,
-            U=tuple(tensors[key(stack, i, name, "U")] for i in range(L)),
-            V=tuple(tensors[key(stack, i, name, "V")] for i in range(L)),
-        )
-    assert choice.blocks is not None
-    bands = band_of_layers(L, choice.blocks)
-    if choice.form == "banded":
-        return FamilyTheta(
-            name=name,
-            shared=tuple(tensors[shared_key(name, b)] for b in range(choice.blocks)),
-            bands=tuple(bands),
-            layers=tuple(
-                LayerTheta(
-                    s=tensors[key(stack, i, name, "s")],
-                    U=tensors[key(stack, i, name, "U")],
-                    V=tensors[key(stack, i, name, "V")],
-                )
-                for i in range(L)
-            ),
-        )
-    part = "U" if choice.side == "in" else "V"
-    return SharedBasisFamily(
-        name=name,
-        side=choice.side,  # type: ignore[arg-type]
-        bases=tuple(tensors[basis_key(name, b)] for b in range(choice.blocks)),
-        bands=tuple(bands),
-        coefs=tuple(tensors[key(stack, i, name, part)] for i in range(L)),
-    )
 
 
 def fit_budget(
@@ -269,6 +72,7 @@ def fit_budget(
     dtype: np.dtype | type | None = None,
     svd: SVDOptions = DEFAULT_SVD,
     stack: str = "model.layers",
+    quant: str | None = None,
 ) -> tuple[ThetaModel, BudgetReport]:
     """Choose forms and ranks at ``budget`` and fit them, in memory.
 
@@ -285,6 +89,10 @@ def fit_budget(
         ``1, 2, 3, 4, L//4, L//2``; shared bases at ``G = L`` are the low-rank form).
     dtype : dtype, optional
         Storage dtype; defaults to each family's weights' dtype.
+    quant : "nvfp4", optional
+        Let banded families store ``W0`` in NVFP4 (at ``G = L`` and the banded ``G``), and
+        count ``budget`` in bytes for every form: stored bytes over the dense weights' bytes
+        (:mod:`attnquant_core.fit._spectra_nvfp4`). Every ``in`` must be a multiple of 16.
 
     Returns
     -------
@@ -319,8 +127,9 @@ def fit_budget(
             "every family needs the same number of layers; got "
             + ", ".join(f"{s.name}: {s.num_layers}" for s in sources)
         )
-    spectra = _spectra_all(
+    spectra = budget_spectra(
         sources,
+        quant=quant,
         forms=forms,
         banded_blocks=banded_blocks,
         shared_blocks=shared_blocks,
@@ -333,10 +142,8 @@ def fit_budget(
     for s in spectra:
         choice = report.families[s.source.name]
         tensors: dict[str, np.ndarray] = {}
-        errors, norms = _fit_family(
-            s.source, choice, stack=stack, svd=svd, emit=tensors.__setitem__
-        )
-        fitted[s.source.name] = _family_from(stack, choice, tensors, s.source.num_layers)
+        errors, norms = fit_family(s.source, choice, stack=stack, svd=svd, emit=tensors.__setitem__)
+        fitted[s.source.name] = family_from(stack, choice, tensors, s.source.num_layers)
         choices[s.source.name] = _with_measured(choice, errors, norms)
     model = ThetaModel(families=fitted, stack=stack)
     return model, _with_choices(report, choices)
@@ -369,6 +176,7 @@ def decompose_budget(
     overwrite: bool = False,
     aligned_from: str | Path | None = None,
     calibration: str | Path | CalibrationStats | Calibration | None = None,
+    quant: str | None = None,
 ) -> BudgetReport:
     """Decompose a checkpoint at a global ``budget`` into a theta checkpoint (format v2) at ``out``.
 
@@ -385,6 +193,11 @@ def decompose_budget(
     error, and the allocation follows the whitened spectra; a projection without statistics
     is fit unwhitened. Shared bases are then tried on the output side only. The manifest
     records the statistics' digest and token count under ``"calibration"``.
+
+    ``quant="nvfp4"``: a banded family may store each band's ``W0`` in NVFP4 (format version 4
+    when one does), and ``budget`` is then stored bytes over the dense projections' bytes for
+    every form (:mod:`attnquant_core.fit._spectra_nvfp4`); each family's entry records
+    ``stored_bytes``, and ``quant`` where its ``W0`` is quantized.
     """
     cal = as_calibration(calibration)
     budget = check_budget(budget)
@@ -392,8 +205,9 @@ def decompose_budget(
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     aligned = None if aligned_from is None else aligned_record(ckpt)
     sources = _checkpoint_sources(ckpt, dtype, cal)
-    spectra = _spectra_all(
+    spectra = budget_spectra(
         sources,
+        quant=quant,
         forms=forms,
         banded_blocks=banded_blocks,
         shared_blocks=shared_blocks,
@@ -419,6 +233,7 @@ def decompose_budget(
                     side=c.side,
                     layers=ckpt.families[s.name].layers,
                     family=ckpt.families[s.name].family,
+                    quant=c.quant,
                 )
             )
         )
@@ -433,7 +248,7 @@ def decompose_budget(
                 info = ckpt.families[s.name]
                 choice = report.families[s.name]
                 layer_digests: dict[int, str] = {}
-                errors, norms = _fit_family(
+                errors, norms = fit_family(
                     s,
                     choice,
                     stack=ckpt.stack,
@@ -463,6 +278,13 @@ def decompose_budget(
                     norms=norms,
                     predicted_error=choice.error,
                     why=choice.why,
+                    **(
+                        {}
+                        if choice.stored_bytes is None
+                        else {"stored_bytes": choice.stored_bytes}
+                        if choice.quant is None
+                        else {"quant": choice.quant, "stored_bytes": choice.stored_bytes}
+                    ),
                     **(
                         {}
                         if info.group is None

@@ -34,7 +34,9 @@ class DecomposeProgress:
     """One layer done, reported to the ``progress`` callback of :func:`decompose_checkpoint`.
 
     ``stage`` is ``"fit"`` when the layer's tensors were fitted (``error`` is its relative
-    error), ``"spectra"`` when a budget decomposition measured its spectra (``error`` is NaN).
+    error), ``"spectra"`` when a budget decomposition measured its spectra (``error`` is NaN),
+    ``"nvfp4"`` when a budget with ``quant="nvfp4"`` measured the spectrum of one quantized
+    residual (``num_layers`` then counts them: every layer at every ``G`` tried).
     """
 
     family: str

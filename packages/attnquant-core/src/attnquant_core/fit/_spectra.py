@@ -65,6 +65,8 @@ class Candidate:
     error ``base``. Each group (a layer, or a band of a shared basis) then buys rank units at
     ``unit_cost[g]`` numbers each; its ``j``-th unit removes ``gains[g][j]`` (non-increasing).
     ``caps[g]`` is the rank its factorisation was taken at (to cut the same factors later).
+    ``quant`` names how a banded family's ``W0`` is stored (``"nvfp4"``; None: in the storage
+    dtype); a quantized candidate's costs are bytes (:mod:`attnquant_core.fit._spectra_nvfp4`).
     """
 
     family: str
@@ -77,6 +79,7 @@ class Candidate:
     gains: tuple[np.ndarray, ...]
     groups: tuple[tuple[int, ...], ...]
     caps: tuple[int, ...]
+    quant: str | None = None
     # derived: every unit, best drop per parameter first
     ratio: np.ndarray = field(init=False, repr=False)
     unit_group: np.ndarray = field(init=False, repr=False)
@@ -105,7 +108,8 @@ class Candidate:
         if self.form == "lowrank":
             return "lowrank"
         if self.form == "banded":
-            return f"banded(G={self.blocks})"
+            quant = "" if self.quant is None else f", W0 {self.quant}"
+            return f"banded(G={self.blocks}{quant})"
         return f"shared_basis({self.side}, G={self.blocks})"
 
     def taken(self, lam: float) -> int:
@@ -158,10 +162,21 @@ class _Source:
 
 @dataclass(frozen=True)
 class _Spectra:
+    """A family's candidates; their costs are stored numbers, or bytes when ``currency`` says so."""
+
     source: _Source
     norm2: float
     layer_norm2: tuple[float, ...]
     candidates: tuple[Candidate, ...]
+    currency: str = "parameters"  # or "bytes" (a budget with a quantized W0)
+
+    @property
+    def dense_cost(self) -> int:
+        """The dense family's size in the currency: ``L * out * in`` numbers, or their bytes
+        at the source dtype."""
+        out_dim, in_dim = self.source.shape
+        numbers = self.source.num_layers * out_dim * in_dim
+        return numbers if self.currency == "parameters" else numbers * self.source.dtype.itemsize
 
 
 def _cap(full: int, group_dense: int, unit_cost: int, cap_budget: float) -> int:

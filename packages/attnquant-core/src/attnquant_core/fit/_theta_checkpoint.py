@@ -100,13 +100,10 @@ def decompose_checkpoint(
     ``quant="nvfp4"``: each band's ``W0`` (the band mean; ``W`` itself at passthrough) is stored
     in NVFP4 (format version 4) and ``s``, ``U``, ``V`` are fitted against its dequantization:
     ``W ~ diag(s) Q(W0) + U V^T``, the low-rank part correcting the quantization error (whitened
-    with ``calibration``). Not available with ``budget`` yet.
+    with ``calibration``). With ``budget``, a banded family *may* take an NVFP4 ``W0`` where it
+    lowers the total error, and the budget counts stored bytes over dense bytes for every form
+    (:func:`attnquant_core.decompose_budget`).
     """
-    if quant is not None and budget is not None:
-        raise DecompositionError(
-            "quant= with budget=: the budget fit does not count a 4-bit W0 yet; "
-            "pass blocks=/rank= with quant="
-        )
     cal = as_calibration(calibration)
     if budget is not None:
         if blocks is not None or rank is not None:
@@ -125,6 +122,7 @@ def decompose_checkpoint(
             overwrite=overwrite,
             aligned_from=aligned_from,
             calibration=cal,
+            quant=quant,
         )
         assert report.manifest is not None
         return report.manifest
