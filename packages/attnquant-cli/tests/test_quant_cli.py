@@ -76,7 +76,6 @@ def test_quant_with_blocks_and_calibration(src, tmp_path, capsys):
     ("extra", "message"),
     [
         (["--quant", "int4"], "--quant 'int4': choose one of nvfp4"),
-        (["--quant", "nvfp4", "--budget", "0.5"], "--quant with --budget"),
         (["--quant", "nvfp4", "--calibration-data", "x.txt"], "--quant with --calibration-data"),
     ],
 )

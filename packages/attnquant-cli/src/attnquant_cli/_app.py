@@ -144,7 +144,8 @@ def decompose(
         str | None,
         typer.Option(
             help="Stored/dense parameters in (0, 1]: choose each family's form and every "
-            "layer's rank for the least total error at that size (excludes --blocks/--rank)."
+            "layer's rank for the least total error at that size (excludes --blocks/--rank). "
+            "With --quant: stored/dense bytes, a 4-bit banded W0 competing with the float forms."
         ),
     ] = None,
     align: Annotated[
@@ -193,7 +194,8 @@ def decompose(
             help="Store each band's W0 in 4 bits: 'nvfp4' (NVIDIA Model Optimizer's layout, "
             "4.5 bits a weight); s and the rank-r correction are fitted to what the 4-bit W0 "
             "misses (whitened with --calibration). Needs every input dimension a multiple of 16; "
-            "--blocks then defaults to 'layers' (W0 = each layer's own weight)."
+            "--blocks then defaults to 'layers' (W0 = each layer's own weight). With --budget, "
+            "each family may take it where it lowers the error, and the budget counts bytes."
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
@@ -201,7 +203,7 @@ def decompose(
 ) -> None:
     """Decompose every projection family of CKPT into a theta checkpoint."""
     src = demo_model_path() if str(ckpt) == "demo" else ckpt
-    _check_quant_options(quant, budget=budget, calibration_data=calibration_data)
+    _check_quant_options(quant, calibration_data=calibration_data)
     check_calibration_options(
         calibration=calibration,
         calibration_data=calibration_data,
@@ -289,9 +291,7 @@ def decompose(
     _print_json_summary(output, json_summary)
 
 
-def _check_quant_options(
-    quant: str | None, *, budget: str | None, calibration_data: list[Path] | None
-) -> None:
+def _check_quant_options(quant: str | None, *, calibration_data: list[Path] | None) -> None:
     """Refuse, in one line and before anything is written, a ``--quant`` that cannot be done."""
     if quant is None:
         return
@@ -299,11 +299,6 @@ def _check_quant_options(
 
     if quant not in QUANTS:
         raise DecompositionError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
-    if budget is not None:
-        raise DecompositionError(
-            "--quant with --budget: the budget fit does not count a 4-bit W0 yet; "
-            "give --blocks/--rank with --quant"
-        )
     if calibration_data:
         raise DecompositionError(
             "--quant with --calibration-data: not supported yet; run `attnquant calibrate` "
@@ -334,7 +329,7 @@ def _print_json_summary(output: Path, wanted: bool) -> None:
         "dense_parameters": dense,
         "families": families,
     }
-    if any("quant" in f for f in families.values()):
+    if any("stored_bytes" in f for f in families.values()):
         summary["stored_bytes"] = sum(_family_bytes(f)[0] for f in manifest["families"].values())
         summary["dense_bytes"] = sum(_family_bytes(f)[1] for f in manifest["families"].values())
     if "budget" in manifest:
@@ -375,6 +370,7 @@ def _decompose(
             quiet=quiet,
             aligned_from=aligned_from,
             calibration=calibration,
+            quant=quant,
         )
         _say_calibrated(output)
         return
@@ -464,6 +460,7 @@ def _decompose_budget(
     quiet: bool = False,
     aligned_from: Path | None = None,
     calibration: Path | None = None,
+    quant: str | None = None,
 ) -> None:
     """``decompose --budget``: fit, then say per family what was chosen and why."""
     from attnquant_core import decompose_budget
@@ -477,25 +474,44 @@ def _decompose_budget(
             overwrite=overwrite,
             aligned_from=aligned_from,
             calibration=calibration,
+            quant=quant,
         )
-    table = budget_table(report, title=f"{output}  (budget {budget:g}, auto form)")
+    what = "auto form" if quant is None else f"auto form, bytes, W0 {quant} allowed"
+    table = budget_table(report, title=f"{output}  (budget {budget:g}, {what})")
     (console if quiet else out).print_table(table)
 
 
 def budget_table(report: BudgetReport, *, title: str) -> Table:
-    """Per family: form, bands, ranks, size, error and why; the totals; the SVD baseline."""
+    """Per family: form, bands, ranks, size, error and why; the totals; the SVD baseline.
+
+    A budget counted in bytes (``--quant``) shows each family's stored bytes and bytes over
+    dense bytes (the budget's currency) instead of parameters, which say little of a 4-bit
+    ``W0`` (its 4.5-bit weights count one each)."""
+    in_bytes = report.currency == "bytes"
+    columns = ["family", "form", "bands", "ranks min-max (mean)"]
+    columns += ["stored bytes", "bytes / dense"] if in_bytes else ["stored / dense"]
     table = Table(title=title, show_lines=False)
-    for col in ("family", "form", "bands", "ranks min-max (mean)", "stored / dense", "rel. error"):
+    for col in [*columns, "rel. error"]:
         table.add_column(col, justify="left" if col in ("family", "form") else "right")
     table.add_column("why", justify="left", overflow="fold")
+
+    def size(
+        stored: int, dense: int, stored_bytes: int | None, dense_bytes: int | None
+    ) -> list[str]:
+        if not in_bytes:
+            return [f"{stored / dense:.3f}"]
+        assert stored_bytes is not None and dense_bytes is not None
+        return [f"{stored_bytes:,}", f"{stored_bytes / dense_bytes:.3f}"]
+
     for name, c in report.families.items():
         error = c.measured_error if c.measured_error is not None else c.error
+        form = c.form if c.side is None else f"{c.form} ({c.side})"
         table.add_row(
             name,
-            c.form if c.side is None else f"{c.form} ({c.side})",
+            form if c.quant is None else f"{form}, W0 {c.quant}",
             "-" if c.blocks is None else str(c.blocks),
             f"{min(c.ranks)}-{max(c.ranks)} ({sum(c.ranks) / len(c.ranks):.1f})",
-            f"{c.stored / c.dense:.3f}",
+            *size(c.stored, c.dense, c.stored_bytes, c.dense_bytes),
             f"{error:.4f}",
             c.why,
         )
@@ -505,18 +521,21 @@ def budget_table(report: BudgetReport, *, title: str) -> Table:
         "",
         "",
         "",
-        f"{report.stored / report.dense:.3f}",
+        *size(report.stored, report.dense, report.stored_bytes, report.dense_bytes),
         f"{measured if measured is not None else report.error:.4f}",
         "no mix of forms beat per-layer SVD: this is the baseline" if report.used_baseline else "",
         style="bold",
     )
     if report.baseline:
+        baseline_bytes = (
+            sum(c.stored_bytes or 0 for c in report.baseline.values()) if in_bytes else None
+        )
         table.add_row(
             "per-layer SVD",
             "lowrank",
             "-",
             "global ranks",
-            f"{report.baseline_stored / report.dense:.3f}",
+            *size(report.baseline_stored, report.dense, baseline_bytes, report.dense_bytes),
             f"{report.baseline_error:.4f}",
             "the baseline at the same budget (error predicted from singular values)",
             style="dim",
