@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issues 6, 7 and 17: one command for a lent GPU machine.
+# The prepared GPU check of issues 6, 7, 15 and 17: one command for a lent GPU machine.
 #
 # What it measures, on the first accelerator MAX sees (an NVIDIA H200 when one is lent):
 #   1. tests/test_gpu.py -m gpu -k "not nvfp4": the GPU variant of attnquant-kernels'
@@ -7,7 +7,11 @@
 #      y = s*(x @ W0.T) + (x @ V) @ U.T (float32 within 1e-4, bfloat16 inputs within 2e-2, relative
 #      to the largest output; ranks 0/16/64, batches 1/16/64 and a few projection-sized shapes;
 #      SiLU and tanh-GELU)                                    -> $OUT/kernels_gpu_errors.json
-#   2. tests/test_gpu.py -m gpu -k nvfp4: the demo model served with ATTNQUANT_QUANT=nvfp4
+#   1b. tests/test_gpu.py -m gpu -k linear_nvfp4 (issue 15): the GPU variant of the fused
+#      generated_linear_nvfp4 (packed E2M1 codes and E4M3 scales decoded in registers, plus s and
+#      the rank-r correction) against the float64 identity over the numpy-dequantized weight, ranks
+#      0/16/64, batches 1/16, decode shapes of a 1B model; one graph -> $OUT/kernels_gpu_errors.json
+#   2. tests/test_gpu.py -m gpu -k "nvfp4 and not linear_nvfp4": the demo model served with ATTNQUANT_QUANT=nvfp4
 #      (emulated: packed weights dequantized in the graph) against the unquantized model on
 #      devices="gpu": max |logprob delta|, greedy agreement, weight bytes; encoding float32, else
 #      bfloat16 (the one that ran is recorded)                -> $OUT/nvfp4_parity_gpu.json
@@ -331,7 +335,10 @@ else:
     # keeps the ranks measured.
     step "kernels on the GPU: generated_linear / generated_mlp vs numpy" 150 \
         "${pytest[@]}" -k "not nvfp4 and not gemma"
-    step "NVFP4 on the GPU: demo model parity and weight bytes" 240 "${pytest[@]}" -k nvfp4
+    step "fused NVFP4 op on the GPU: generated_linear_nvfp4 vs numpy" 120 \
+        "${pytest[@]}" -k linear_nvfp4
+    step "NVFP4 on the GPU: demo model parity and weight bytes" 240 \
+        "${pytest[@]}" -k "nvfp4 and not linear_nvfp4"
     step "Gemma 3 bf16 on the GPU: stock vs theta passthrough and G=1 r=16, tok/s" 180 \
         "${pytest[@]}" -k gemma
     step "latency on the GPU: custom op vs GEMM formulation" 300 \

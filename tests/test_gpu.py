@@ -12,6 +12,9 @@ Every test here is marked ``gpu`` and skipped, with the reason, where MAX sees n
   and check them with ``attnquant_kernels.testing`` (``device="gpu"`` here). Rank 0 is
   checked through the wrappers' ``U = V = None`` form, which makes the zero-size tensors inside
   the graph, so no zero-byte buffer is ever copied to the device.
+* ``generated_linear_nvfp4`` (issue 15) placed on the GPU, the same way: packed NVFP4 weight,
+  ``s`` and the rank-``r`` correction against the float64 identity over the numpy-dequantized
+  weight (float32 within 1e-4, bfloat16 inputs within 2e-2), one graph.
 * The demo model served with ``ATTNQUANT_QUANT=nvfp4`` (the emulated path: packed weights
   dequantized in the graph) against the unquantized model on ``devices="gpu"``: logit parity and
   the weights held. ``quantization_encoding="float32"`` first, ``"bfloat16"`` when that fails.
@@ -42,7 +45,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attnquant_kernels.testing import OpModel, build_linear, build_mlp, check_linear, check_mlp
+from attnquant_kernels.testing import (
+    OpModel,
+    build_linear,
+    build_linear_nvfp4,
+    build_mlp,
+    check_linear,
+    check_linear_nvfp4,
+    check_mlp,
+)
 from attnquant_kernels.testing import theta as random_theta
 
 _driver = pytest.importorskip("max.driver")
@@ -101,6 +112,13 @@ def linear(gpu: None) -> OpModel:
 
 
 @pytest.fixture(scope="module")
+def linear_nvfp4(gpu: None) -> OpModel:
+    """Outputs: the fused NVFP4 op with s, U, V (float32), its plain form (s = U = V = None), the op
+    on bfloat16 inputs; packed E2M1 codes and E4M3 scale bytes as uint8, every dimension symbolic."""
+    return build_linear_nvfp4("gpu")
+
+
+@pytest.fixture(scope="module")
 def mlp(gpu: None) -> OpModel:
     """Outputs: SiLU, tanh-GELU, SiLU in the rank-0 form (float32), SiLU on bfloat16 inputs."""
     return build_mlp("gpu")
@@ -133,6 +151,31 @@ def test_gpu_linear_matches_the_identity(linear: OpModel, rank: int, batch: int)
 )
 def test_gpu_linear_shapes(linear: OpModel, M: int, K: int, N: int, R: int):
     check_linear(linear, M, K, N, R, report=_record)
+
+
+# ---------------------------------------------------------------- generated_linear_nvfp4 (issue 15)
+# The GPU variant (one thread per output, codes decoded in registers) has been built for sm_90 in
+# the kernels' tests but never run; these run it against the float64 identity over the
+# numpy-dequantized weight, as packages/attnquant-kernels/tests/test_ops_nvfp4.py does on the CPU.
+
+
+@pytest.mark.parametrize("rank", [0, 16, 64])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_gpu_linear_nvfp4_matches_the_identity(linear_nvfp4: OpModel, rank: int, batch: int):
+    check_linear_nvfp4(linear_nvfp4, batch, 96, 72, rank, seed=rank * 100 + batch, report=_record)
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "N", "R"),
+    [
+        (1, 16, 1, 0),  # one block
+        (1, 2048, 2048, 16),  # decode, a 1B model's q_proj
+        (1, 2048, 8192, 16),  # decode, its gate/up projection
+        (16, 8192, 2048, 64),  # a small batch through down_proj: long float32 sums
+    ],
+)
+def test_gpu_linear_nvfp4_shapes(linear_nvfp4: OpModel, M: int, K: int, N: int, R: int):
+    check_linear_nvfp4(linear_nvfp4, M, K, N, R, report=_record)
 
 
 # ---------------------------------------------------------------- generated_mlp
