@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.linalg.blas import dsyrk as _dsyrk
 
 from .. import gemma_reference as gemma
 from .. import llama_reference as ref
@@ -42,10 +43,12 @@ __all__ = [
     "CalibrationReport",
     "Decoder",
     "ModelSource",
+    "accumulate_gram",
     "calibrate",
     "final_hidden",
     "open_source",
     "peak_rss_bytes",
+    "symmetrize_gram",
 ]
 
 logger = logging.getLogger(__name__)
@@ -335,6 +338,47 @@ def output_head(source: ModelSource, dtype: np.dtype | type = np.float32) -> np.
     )
 
 
+#: Bytes of the float64 copy of a projection's input made at a time while its gram accumulates.
+GRAM_CHUNK_BYTES = 64 << 20
+
+
+def accumulate_gram(
+    acc: np.ndarray | None, x: np.ndarray, *, chunk_bytes: int = GRAM_CHUNK_BYTES
+) -> np.ndarray:
+    """``acc + sum_t x_t x_t^T`` (``x`` is ``[..., in]``) in float64, in place, upper triangle.
+
+    ``acc`` is None (a new ``[in, in]`` Fortran-ordered float64 gram is made) or a previous
+    return value. BLAS ``dsyrk`` adds into ``acc`` itself, so no second ``[in, in]`` array is
+    made (``acc += x.T @ x`` makes one: 512 MiB at ``in`` 8192), and ``x`` is converted to
+    float64 ``chunk_bytes`` at a time rather than whole. Only the upper triangle
+    (``i <= j``) is accumulated: call :func:`symmetrize_gram` once when done.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[1]
+    if acc is None:
+        acc = np.zeros((n, n), np.float64, order="F")
+    rows = max(1, chunk_bytes // (8 * n))
+    for start in range(0, len(flat), rows):
+        chunk = np.asarray(flat[start : start + rows], dtype=np.float64)  # [k, n], C order
+        # chunk.T is [n, k] in Fortran order: dsyrk's A, so it is not copied; C = A A^T + C.
+        out = _dsyrk(1.0, chunk.T, beta=1.0, c=acc, trans=0, lower=0, overwrite_c=1)
+        if out is not acc:  # pragma: no cover - f2py copies only a C that is not Fortran-ordered
+            acc[...] = out
+        del chunk, out  # before the next chunk is made
+    return acc
+
+
+def symmetrize_gram(G: np.ndarray, *, block: int = 512) -> np.ndarray:
+    """Copy the upper triangle of ``G`` onto its lower one, in place, ``block`` rows at a time."""
+    n = G.shape[0]
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        diag = G[start:stop, start:stop]
+        diag[...] = np.triu(diag) + np.triu(diag, 1).T
+        G[stop:, start:stop] = G[start:stop, stop:].T
+    return G
+
+
 @dataclass(frozen=True, kw_only=True)
 class CalibrationReport:
     """What a calibration run did: tokens, sequences, grams written, peak memory."""
@@ -384,18 +428,13 @@ def calibrate(
     grams: dict[tuple[str, ...], np.ndarray] = {}
 
     def capture(names: tuple[str, ...], x: np.ndarray) -> None:
-        flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
-        G = flat.T @ flat
-        del flat
-        if names in grams:
-            grams[names] += G
-        else:
-            grams[names] = G
+        grams[names] = accumulate_gram(grams.get(names), x)
 
     with StatsWriter(output, shapes, tokens=tokens, dtype=stats_dtype) as writer:
 
         def layer_done(done: int, total: int) -> None:
             for names, G in grams.items():  # capture order is LAYER_PROJECTIONS order
+                symmetrize_gram(G)
                 for name in names:
                     writer.write(f"{source.prefix}.layers.{done - 1}.{name}.weight", G)
             grams.clear()
