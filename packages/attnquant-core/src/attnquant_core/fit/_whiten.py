@@ -84,7 +84,24 @@ class Whitening:
         return self.factor @ self.factor.T
 
 
-def whitening(G: np.ndarray, *, damping: float = DEFAULT_DAMPING, where: str = "gram") -> Whitening:
+def _has_negative_zero(G: np.ndarray) -> bool:
+    """Whether ``G`` holds a ``-0.0`` (a block of rows at a time)."""
+    n = G.shape[0]
+    rows = max(1, (4 << 20) // max(1, 8 * n))
+    for i in range(0, n, rows):
+        block = G[i : i + rows]
+        if np.any(np.signbit(block) & (block == 0)):
+            return True
+    return False
+
+
+def whitening(
+    G: np.ndarray,
+    *,
+    damping: float = DEFAULT_DAMPING,
+    where: str = "gram",
+    overwrite: bool = False,
+) -> Whitening:
     """The whitening factor of a gram ``G = sum x x^T`` ``[in, in]``.
 
     Parameters
@@ -96,12 +113,22 @@ def whitening(G: np.ndarray, *, damping: float = DEFAULT_DAMPING, where: str = "
         all-zero ``G``, so the fit falls back to the weight error).
     where : str
         What to name in an error (the statistics key).
+    overwrite : bool, default=False
+        ``G`` may be overwritten: the damped gram is then formed in ``G`` itself (a caller
+        that read the gram for this alone passes True). Otherwise, and whenever ``G`` is not
+        float64, it is formed in one copy.
 
     Returns
     -------
     Whitening
         ``S`` with ``S S^T = G + delta I``.
+
+    Memory: ``delta`` is added to the diagonal in place (no identity, scaled identity or sum of
+    ``G``'s size), so making ``S`` holds ``G`` (or its one copy), the factor, and the one
+    working copy LAPACK's Cholesky takes: ``3 x 8 n^2`` bytes with ``overwrite``, ``4 x`` without.
+    The result is bit-identical to factoring ``G + delta * np.eye(n)``.
     """
+    given = G
     G = np.asarray(G, dtype=np.float64)
     if G.ndim != 2 or G.shape[0] != G.shape[1]:
         raise CalibrationError(f"{where}: shape {list(G.shape)} is not square [in, in]")
@@ -109,11 +136,25 @@ def whitening(G: np.ndarray, *, damping: float = DEFAULT_DAMPING, where: str = "
         raise CalibrationError(f"damping must be >= 0, got {damping}")
     mean_diag = float(np.mean(np.diagonal(G))) if G.size else 0.0
     delta = damping * mean_diag if mean_diag > 0 else max(damping, 1e-12)
-    damped = G + delta * np.eye(G.shape[0])
+    n = G.shape[0]
+    # ``G + delta * np.eye(n)`` adds ``+0.0`` off the diagonal, which turns a ``-0.0`` into
+    # ``+0.0``: in place, G is used only when it has none (then the add is the identity there,
+    # and restoring the diagonal restores G exactly); else a copy gets ``+= 0.0`` first.
+    in_place = (overwrite or G is not given) and not _has_negative_zero(G)
+    if in_place:
+        diagonal = np.diagonal(G).copy()
+        damped = G
+    else:
+        damped = G.copy()
+        np.add(damped, 0.0, out=damped)
+    damped.flat[:: n + 1] += delta  # (delta * 1.0 == delta: the same sum as with np.eye)
     try:
         return Whitening(factor=np.linalg.cholesky(damped), delta=delta)
     except np.linalg.LinAlgError:
         pass
+    if in_place:
+        G.flat[:: n + 1] = diagonal  # G as it was, bit for bit
+    del damped
     w, Q = np.linalg.eigh(0.5 * (G + G.T))
     # Rounding of a PSD gram leaves eigenvalues of order eps * |G| below 0; more is an error.
     tolerance = delta + 1e-10 * max(float(np.abs(w).max()), 1e-300)

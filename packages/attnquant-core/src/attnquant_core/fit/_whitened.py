@@ -19,8 +19,12 @@ is spent where the inputs make it count.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +38,7 @@ from ._whiten import DEFAULT_DAMPING, Whitening, whitened_row_scale, whitening
 
 __all__ = [
     "Calibration",
+    "WhiteningStore",
     "as_calibration",
     "fit_layer_whitened",
     "scaled_whitening",
@@ -41,21 +46,176 @@ __all__ = [
 ]
 
 
+#: Bytes of whitening factors a :class:`WhiteningStore` keeps in memory between uses.
+STORE_MEMORY_BYTES = 64 << 20
+
+
+class WhiteningStore:
+    """Every distinct gram's whitening factor, computed once, with memory bounded.
+
+    The budget fit asks for a layer's whitening once per candidate form (the low-rank spectra,
+    every banded ``G``, the shared-basis passes), then again when it fits the chosen form, one
+    family at a time; q/k/v of a layer share one input gram (stored under each key), and so do
+    gate/up. Holding every factor would cost a model's worth of ``[in, in]`` float64 arrays
+    (512 MiB each at ``in = 8192``), and a small cache would miss on every pass over a family's
+    layers. So each factor is computed once, at its first use, keyed by the gram's key and the
+    sha256 of its stored bytes (equal grams under other keys share the factor): factors of
+    together at most ``memory_bytes`` stay in memory (least recently used first out), and any
+    other is written, the first time it leaves memory, to a private temporary directory (in
+    ``directory``, default the system's), from which a later use reads it back: a file read of
+    ``8 n^2`` bytes instead of reading, checking and factoring the gram again. Peak memory is
+    thus the factor in use (and its making, :func:`attnquant_core.calib.whitening`) plus
+    ``memory_bytes``; the disk holds at most every distinct factor (float64: twice a float32
+    statistics file less its duplicates), removed when the store is closed or collected.
+    A factor read back is the very array computed (bit for bit), read-only like every factor
+    the store hands out.
+    """
+
+    def __init__(
+        self, memory_bytes: int = STORE_MEMORY_BYTES, directory: str | Path | None = None
+    ) -> None:
+        self.memory_bytes = int(memory_bytes)
+        self.directory = directory
+        self._digest: dict[str, str] = {}  # gram key -> content digest
+        self._held: OrderedDict[str, Whitening] = OrderedDict()  # digest -> factor, LRU
+        self._held_bytes = 0
+        self._spilled: dict[str, tuple[int, float, bool]] = {}  # digest -> (file, delta, eigen?)
+        self._dir: Path | None = None
+        self._finalizer: weakref.finalize | None = None
+        #: Factorisations made and factors read back from disk (what the tests count).
+        self.computed = 0
+        self.loaded = 0
+
+    def get(
+        self,
+        key: str,
+        read: Callable[[], tuple[np.ndarray, str]],
+        *,
+        damping: float,
+        where: str,
+    ) -> Whitening:
+        """The whitening of gram ``key``; ``read()`` gives the gram and its digest (called only
+        the first time ``key`` is asked for)."""
+        digest = self._digest.get(key)
+        if digest is None:
+            G, digest = read()
+            self._digest[key] = digest
+            if not self._has(digest):
+                white = whitening(G, damping=damping, where=where, overwrite=True)
+                del G
+                self.computed += 1
+                _read_only(white)
+                self._keep(digest, white)
+                return white
+            del G
+        white = self._held.get(digest)
+        if white is not None:
+            self._held.move_to_end(digest)
+            return white
+        white = self._load(digest)
+        self._keep(digest, white)
+        return white
+
+    def close(self) -> None:
+        """Drop every factor and remove the directory of spilled ones."""
+        self._held.clear()
+        self._held_bytes = 0
+        self._spilled.clear()
+        self._digest.clear()
+        if self._finalizer is not None:
+            self._finalizer()
+        self._dir = None
+
+    def _has(self, digest: str) -> bool:
+        return digest in self._held or digest in self._spilled
+
+    def _keep(self, digest: str, white: Whitening) -> None:
+        """Hold ``white`` in memory if it fits, evicting (spilling) the least recent first."""
+        size = _nbytes(white)
+        if size > self.memory_bytes:
+            self._spill(digest, white)
+            return
+        while self._held and self._held_bytes + size > self.memory_bytes:
+            old, held = self._held.popitem(last=False)
+            self._held_bytes -= _nbytes(held)
+            self._spill(old, held)
+        self._held[digest] = white
+        self._held_bytes += size
+
+    def _path(self, index: int, part: str) -> Path:
+        assert self._dir is not None
+        return self._dir / f"{index}.{part}.npy"
+
+    def _spill(self, digest: str, white: Whitening) -> None:
+        if digest in self._spilled:
+            return
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="attnquant-whitening-", dir=self.directory))
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
+        index = len(self._spilled)
+        if white.eigen is None:
+            np.save(self._path(index, "factor"), white.factor)
+        else:  # factor = basis * eigen, recomputed on reading (the same products, bit for bit)
+            assert white.basis is not None
+            np.save(self._path(index, "basis"), white.basis)
+            np.save(self._path(index, "eigen"), white.eigen)
+        self._spilled[digest] = (index, white.delta, white.eigen is not None)
+
+    def _load(self, digest: str) -> Whitening:
+        index, delta, eigen = self._spilled[digest]
+        self.loaded += 1
+        if not eigen:
+            white = Whitening(factor=np.load(self._path(index, "factor")), delta=delta)
+        else:
+            basis = np.load(self._path(index, "basis"))
+            values = np.load(self._path(index, "eigen"))
+            white = Whitening(factor=basis * values, delta=delta, eigen=values, basis=basis)
+        _read_only(white)
+        return white
+
+
+def _nbytes(white: Whitening) -> int:
+    return sum(a.nbytes for a in (white.factor, white.eigen, white.basis) if a is not None)
+
+
+def _read_only(white: Whitening) -> None:
+    for a in (white.factor, white.eigen, white.basis):
+        if a is not None:
+            a.flags.writeable = False
+
+
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
-    """Calibration statistics as the fits use them: a whitening per projection, on demand."""
+    """Calibration statistics as the fits use them: a whitening per projection, on demand.
+
+    Each distinct gram is factored once for the life of the object (one decomposition, when
+    made from a path by :func:`as_calibration`), in a :class:`WhiteningStore`.
+    """
 
     stats: CalibrationStats
     damping: float = DEFAULT_DAMPING
     #: Recorded over the statistics' own fields (e.g. the text a same-pass calibration read).
     data: Mapping[str, object] | None = None
+    store: WhiteningStore = field(
+        default_factory=WhiteningStore, init=False, repr=False, compare=False
+    )
 
     def whitening(self, key: str, in_features: int) -> Whitening | None:
         """The whitening of weight ``key``'s input, or None when the statistics lack it."""
-        G = self.stats.gram(key, in_features=in_features)
-        if G is None:
+        if key not in self.stats:
             return None
-        return whitening(G, damping=self.damping, where=f"{self.stats.path}: {gram_key(key)!r}")
+        if self.stats.shape(key) != (in_features, in_features):
+            self.stats.gram(key, in_features=in_features)  # raises: the statistics' error
+        gkey = gram_key(key)
+
+        def read() -> tuple[np.ndarray, str]:
+            got = self.stats.read_gram(key, in_features=in_features)
+            assert got is not None
+            return got
+
+        return self.store.get(
+            gkey, read, damping=self.damping, where=f"{self.stats.path}: {gkey!r}"
+        )
 
     def getter(self, keys: Sequence[str], in_features: int) -> Callable[[int], Whitening | None]:
         """``layer -> whitening`` for a family whose weight keys are ``keys``."""

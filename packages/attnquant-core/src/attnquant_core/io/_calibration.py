@@ -10,6 +10,11 @@ can write it; ``safetensors.numpy.save_file(grams, path, metadata={"tokens": str
 A gram is validated when read: square, float32/float64, finite and symmetric. Whether it is
 positive semi-definite beyond the damping is decided when a whitening factor is made from it
 (:func:`attnquant_core.calib.whitening`), where a Cholesky factorisation is attempted anyway.
+
+Memory: a gram is read with plain file reads, a few MiB of rows at a time, straight into its
+float64 array (no float32 copy of the whole gram, no memory map), and checked a block of rows
+at a time (no ``G - G^T`` or ``|G|`` of full size): reading an ``[n, n]`` gram holds the
+``8 n^2`` bytes of the result and a few MiB more.
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ _CODES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64"}
 # Asymmetry tolerated, relative to the largest |G| entry: float32 sums of many tokens in
 # another tool's order differ from their transpose's by rounding only.
 _SYMMETRY_RTOL = 1e-4
+# Bytes of a gram read or checked at a time (a block of whole rows, at least one row).
+_BLOCK_BYTES = 4 << 20
+
+
+def _row_blocks(n: int, itemsize: int = 8) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of row blocks of an ``[n, n]`` array, ``_BLOCK_BYTES`` or one row each."""
+    rows = max(1, _BLOCK_BYTES // max(1, n * itemsize))
+    for start in range(0, n, rows):
+        yield start, min(n, start + rows)
 
 
 class CalibrationError(AttnquantError, ValueError):
@@ -74,11 +88,20 @@ class CalibrationStats:
     weight keys (``....weight``) that have a gram, ``digest`` the file's sha256.
     """
 
-    def __init__(self, path: Path, tokens: int, shapes: dict[str, tuple[int, ...]], dtypes: dict):
+    def __init__(
+        self,
+        path: Path,
+        tokens: int,
+        shapes: dict[str, tuple[int, ...]],
+        dtypes: dict,
+        offsets: dict[str, int] | None = None,
+    ):
         self.path = path
         self.tokens = tokens
         self._shapes = shapes  # by gram key
         self._dtypes = dtypes
+        # Absolute byte offset of each gram's data in the file (None: read through safetensors).
+        self._offsets = offsets
         self._digest: str | None = None
 
     def __repr__(self) -> str:
@@ -109,6 +132,17 @@ class CalibrationStats:
 
         ``in_features``, when given, is the projection's input width the gram must match.
         """
+        read = self.read_gram(weight_key, in_features=in_features)
+        return None if read is None else read[0]
+
+    def read_gram(
+        self, weight_key: str, *, in_features: int | None = None
+    ) -> tuple[np.ndarray, str] | None:
+        """:meth:`gram` and the ``sha256:<hex>`` of the gram's stored bytes (with its dtype and
+        shape): equal digests, equal grams (q/k/v of a layer share one input, so one gram).
+
+        The result is a fresh array the caller owns (it may overwrite it).
+        """
         key = gram_key(weight_key)
         if key not in self._shapes:
             return None
@@ -120,10 +154,28 @@ class CalibrationStats:
                 f"wide (expected [{in_features}, {in_features}]); the statistics are of another "
                 f"model"
             )
-        with safe_open(self.path, framework="numpy") as f:
-            G = np.asarray(f.get_tensor(key), dtype=np.float64)
+        dtype = np.dtype(_DTYPES[self._dtypes[key]]).newbyteorder("<")
+        digest = hashlib.sha256(f"{dtype.str}{list(shape)}".encode())
+        if self._offsets is None:  # pragma: no cover - read_stats always records the offsets
+            with safe_open(self.path, framework="numpy") as f:
+                raw = f.get_tensor(key)
+            digest.update(np.ascontiguousarray(raw, dtype=dtype).tobytes())
+            G = np.asarray(raw, dtype=np.float64)
+        else:
+            n = shape[0]
+            G = np.empty((n, n), np.float64)
+            with open(self.path, "rb") as f:
+                f.seek(self._offsets[key])
+                for start, stop in _row_blocks(n, dtype.itemsize):
+                    want = (stop - start) * n * dtype.itemsize
+                    block = f.read(want)
+                    if len(block) != want:
+                        raise CalibrationError(f"{where}: the file is truncated")
+                    digest.update(block)
+                    G[start:stop] = np.frombuffer(block, dtype=dtype).reshape(stop - start, n)
+                    del block
         check_gram(G, where)
-        return G
+        return G, f"sha256:{digest.hexdigest()}"
 
     def grams(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every (weight key, validated float64 gram), one at a time."""
@@ -142,11 +194,18 @@ def check_gram(G: np.ndarray, where: str) -> None:
     """Finite, square and symmetric, else a one-line :class:`CalibrationError` naming ``where``."""
     if G.ndim != 2 or G.shape[0] != G.shape[1]:
         raise CalibrationError(f"{where} has shape {list(G.shape)}; a gram is square [in, in]")
-    if not np.isfinite(G).all():
-        bad = int(np.size(G) - np.count_nonzero(np.isfinite(G)))
+    # A block of rows at a time: no temporary of G's size (the maxima are exact either way).
+    n = G.shape[0]
+    blocks = list(_row_blocks(n))
+    bad = sum(int(np.count_nonzero(~np.isfinite(G[i:j]))) for i, j in blocks)
+    if bad:
         raise CalibrationError(f"{where} holds {bad} NaN/Inf value(s); recompute the statistics")
-    scale = float(np.abs(G).max()) if G.size else 0.0
-    asym = float(np.abs(G - G.T).max()) if G.size else 0.0
+    scale = asym = 0.0
+    for i, j in blocks:
+        scale = max(scale, float(np.abs(G[i:j]).max()))
+        d = G[i:j] - G[:, i:j].T
+        asym = max(asym, float(np.abs(d, out=d).max()))
+        del d
     if asym > _SYMMETRY_RTOL * scale:
         raise CalibrationError(
             f"{where} is not symmetric (max |G - G^T| = {asym:.3g}, max |G| = {scale:.3g}); "
@@ -199,7 +258,16 @@ def read_stats(path: str | Path) -> CalibrationStats:
             raise CalibrationError(
                 f"{path}: {key!r} has shape {list(shape)}; a gram is square [in, in]"
             )
-    return CalibrationStats(path, tokens, shapes, dtypes)
+    return CalibrationStats(path, tokens, shapes, dtypes, _data_offsets(path, keys))
+
+
+def _data_offsets(path: Path, keys: Iterable[str]) -> dict[str, int]:
+    """Absolute file offset of each tensor's data (safetensors: 8-byte header length, JSON
+    header, then the data, each tensor at ``data_offsets`` from its start)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {k: 8 + length + int(header[k]["data_offsets"][0]) for k in keys}
 
 
 class StatsWriter:
