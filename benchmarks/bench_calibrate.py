@@ -9,6 +9,13 @@ peak RSS is its own (``VmHWM`` of the worker, which exec resets):
 1. ``attnquant calibrate CKPT --data DATA --samples N --seq-len T -o STATS`` (the numpy
    forward, layer by layer; grams float32 on disk, accumulated in float64);
 2. ``attnquant decompose CKPT -o THETA --budget B --calibration STATS``;
+   (``--blocks G --rank R``: ``decompose CKPT -o THETA --blocks G --rank R --calibration STATS``
+   instead, a fixed-form whitened decomposition, far fewer factorisations of each whitened
+   matrix than a budget's every candidate form; ``--layers N``: decompose the first ``N``
+   layers only, a checkpoint of the same model cut to ``N`` layers, written the same way, with
+   the statistics of the whole model: a layer's inputs depend only on the layers below it, so
+   those of the first ``N`` layers are exactly the cut model's, and every layer is fit alike,
+   one at a time, so the peak is that of any ``N``);
 3. with ``--sequential`` only: ``attnquant decompose CKPT -o THETA2 --budget B
    --calibration-data DATA --samples N --seq-len T --sequential`` (a dense and a compressed
    stream side by side; about twice phase 1's forward plus phase 2's fit).
@@ -44,7 +51,9 @@ The machine these figures come from is shared: every worker runs at niceness 15 
 BLAS thread (``OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=MKL_NUM_THREADS=1``), which affects the wall
 times, not the memory. Everything (at 1b: the checkpoint, 4.6 GiB; the statistics, 5.5 GiB, one
 float32 gram per projection key; the theta checkpoints) goes under ``--workdir`` (default
-``/tmp``) and is deleted at the end; ``--checkpoint DIR`` keeps (and reuses) the checkpoint.
+``/tmp``) and is deleted at the end; ``--checkpoint DIR`` keeps (and reuses) the checkpoint,
+``--stats FILE`` the statistics (and the calibrate phase's figures, in ``FILE.calibrate.json``:
+a rerun reports the phase that made them, marked ``reused``).
 
 Run: ``HF_HUB_OFFLINE=1 uv run --all-packages --group bench python benchmarks/bench_calibrate.py
 --shape 1b --out r.json`` (or ``uv run nox -s bench -- bench_calibrate --shape tiny``).
@@ -63,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -140,11 +150,12 @@ def worker_cli(args: list[str], result: Path) -> None:
     )
 
 
-def worker_write(shape: str, directory: Path, result: Path) -> None:
+def worker_write(shape: str, directory: Path, result: Path, layers: int | None = None) -> None:
     from attnquant_cli import demo_model_path
 
     t0 = time.perf_counter()
-    write_synthetic(directory, SHAPES[shape], demo_model_path())
+    model = SHAPES[shape] if layers is None else replace(SHAPES[shape], layers=layers)
+    write_synthetic(directory, model, demo_model_path())
     result.write_text(
         json.dumps({"wall_s": time.perf_counter() - t0, "peak_rss_mb": _status_kib("VmHWM") / 1024})
     )
@@ -236,6 +247,22 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence T")
     parser.add_argument("--batch", type=int, default=8, help="calibrate's sequences per batch")
     parser.add_argument("--budget", default="0.5", help="decompose --budget")
+    parser.add_argument(
+        "--blocks", help="decompose --blocks G --rank R --calibration instead of --budget"
+    )
+    parser.add_argument("--rank", type=int, help="with --blocks: decompose --rank")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="decompose the first N layers only (the model cut to N layers, the whole "
+        "model's statistics)",
+    )
+    parser.add_argument(
+        "--stats",
+        type=Path,
+        help="use (and keep) the statistics here, calibrated first if missing "
+        "[default: written under --workdir and deleted]",
+    )
     parser.add_argument("--data", type=Path, help="calibration text [default: the demo's sample]")
     parser.add_argument(
         "--sequential",
@@ -255,19 +282,22 @@ def main() -> None:
     parser.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.worker == "write":
-        worker_write(args.shape, args.dst, args.result)
+        worker_write(args.shape, args.dst, args.result, args.layers)
         return
     if args.worker == "cli":
         worker_cli([a for a in rest if a != "--"], args.result)
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if (args.blocks is None) != (args.rank is None):
+        parser.error("--blocks and --rank go together")
 
     data = args.data or Path(str(files("attnquant_cli") / "data" / "demo_calibration.jsonl"))
     shape = SHAPES[args.shape]
     proj_params, all_params = shape.parameters()
     work = Path(tempfile.mkdtemp(prefix=f"aq-bench-calibrate-{shape.name}-", dir=args.workdir))
-    ckpt, stats = args.checkpoint or work / "ckpt", work / "stats.safetensors"
+    ckpt, stats = args.checkpoint or work / "ckpt", args.stats or work / "stats.safetensors"
+    calibrated_json = stats.with_name(stats.name + ".calibrate.json")
     common = ["--data", str(data), "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
     phases: dict[str, dict] = {}
     try:
@@ -283,10 +313,36 @@ def main() -> None:
         when = "reused" if written.get("reused") else f"written in {written['wall_s']:.0f} s"
         print(f"{ckpt}: {ckpt_bytes / 2**30:.2f} GiB, {when}", flush=True)
         calib_args = ["calibrate", str(ckpt), *common, "--batch", str(args.batch)]
-        phases["calibrate"] = _spawn(
-            work, "calibrate", "--worker", "cli", "--", *calib_args, "-o", str(stats), "--json"
-        )
+        if args.stats is not None and stats.exists() and calibrated_json.exists():
+            phases["calibrate"] = {**json.loads(calibrated_json.read_text()), "reused": True}
+            print(f"{stats}: reused, calibrated by {calibrated_json}", flush=True)
+        else:
+            phases["calibrate"] = _spawn(
+                work, "calibrate", "--worker", "cli", "--", *calib_args, "-o", str(stats), "--json"
+            )
+            if args.stats is not None:
+                calibrated_json.write_text(json.dumps(phases["calibrate"]))
         stats_bytes = stats.stat().st_size
+        target = ckpt
+        if args.layers is not None:
+            target = work / f"ckpt-{args.layers}-layers"
+            _spawn(
+                work,
+                "write-cut",
+                "--worker",
+                "write",
+                "--shape",
+                shape.name,
+                "--layers",
+                str(args.layers),
+                "--dst",
+                str(target),
+            )
+        form = (
+            ["--budget", args.budget]
+            if args.blocks is None
+            else ["--blocks", args.blocks, "--rank", str(args.rank)]
+        )
         phases["decompose"] = _spawn(
             work,
             "decompose",
@@ -294,11 +350,10 @@ def main() -> None:
             "cli",
             "--",
             "decompose",
-            str(ckpt),
+            str(target),
             "-o",
             str(work / "theta"),
-            "--budget",
-            args.budget,
+            *form,
             "--calibration",
             str(stats),
             "--json",
@@ -342,6 +397,8 @@ def main() -> None:
             r: run["peak_rss_mb"] <= mb for r, mb in row["rss_budget_mb"].items()
         }
         row["trace"] = run.get("trace")
+        if run.get("reused"):
+            row["reused"] = True
         if "manifest" in run:
             row.update(run["manifest"])
         rows[name] = row
@@ -357,7 +414,10 @@ def main() -> None:
         "seq_len": calibrated.get("seq_len"),
         "batch": args.batch,
         "stats_bytes": stats_bytes,
-        "budget": float(args.budget),
+        "budget": float(args.budget) if args.blocks is None else None,
+        "blocks": args.blocks,
+        "rank": args.rank,
+        "decomposed_layers": args.layers or shape.layers,
         "threads": ONE_THREAD,
         "nice": NICE,
         "sequential_run": args.sequential,
@@ -375,7 +435,7 @@ def main() -> None:
     for name, row in rows.items():
         b, ok = row["rss_budget_mb"], row["within_rss_budget"]
         print(
-            f"{name:<11} {row['wall_s']:>7.0f}s {row['peak_rss_mb']:>7.0f}MB "
+            f"{name + ('*' if row.get('reused') else ''):<11} {row['wall_s']:>7.0f}s {row['peak_rss_mb']:>7.0f}MB "
             f"{b['largest_tensor']:>7.0f}MB {'ok' if ok['largest_tensor'] else 'OVER':>4}     "
             f"{b['largest_projection']:>8.0f}MB {'ok' if ok['largest_projection'] else 'OVER':>4}"
         )
@@ -391,6 +451,8 @@ def main() -> None:
                         f"    {fam:<17} {f['form']:<12} output error mean "
                         f"{f['output_error_mean']:.4f} max {f['output_error_max']:.4f}"
                     )
+    if any(row.get("reused") for row in rows.values()):
+        print("* reused: the figures of the run that made them (--stats)")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 
