@@ -216,7 +216,11 @@ def whitened_row_scale(W: np.ndarray, W0: np.ndarray, white: Whitening) -> np.nd
 
     Row by row: ``s_o = <W_o S, W0_o S> / <W0_o S, W0_o S>``.
     """
-    A, B = white.whiten(W), white.whiten(W0)
+    return row_scale_whitened(white.whiten(W), white.whiten(W0))
+
+
+def row_scale_whitened(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """:func:`whitened_row_scale` from ``A = W S`` and ``B = W0 S`` already made."""
     num = np.sum(A * B, axis=1)
     den = np.sum(B * B, axis=1)
     safe = den > 0

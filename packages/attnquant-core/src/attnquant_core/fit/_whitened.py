@@ -34,7 +34,13 @@ from ..forms._identity import compute_dtype
 from ..io._calibration import CalibrationStats, gram_key, read_stats
 from ._decompose import DEFAULT_SVD, LayerFit, SVDOptions
 from ._svd import EXACT_MAX_DIM, truncated_svd
-from ._whiten import DEFAULT_DAMPING, Whitening, whitened_row_scale, whitening
+from ._whiten import (
+    DEFAULT_DAMPING,
+    Whitening,
+    row_scale_whitened,
+    whitened_row_scale,
+    whitening,
+)
 
 __all__ = [
     "Calibration",
@@ -291,14 +297,18 @@ def fit_layer_whitened(
     """
     cdt = compute_dtype(np.result_type(W.dtype, dtype))
     Wd = np.asarray(W, np.float64)
+    Ww = white.whiten(Wd)  # W S, made once: the scale, the output norm (and R S when W0=None)
+    out_norm = float(np.linalg.norm(Ww))
     if W0 is None:
         s = np.zeros(Wd.shape[0], dtype)  # unused by the low-rank form
         R = Wd
+        Rw = Ww
     else:
         W0d = np.asarray(W0, np.float64)
-        s = whitened_row_scale(Wd, W0d, white).astype(dtype)
+        s = row_scale_whitened(Ww, white.whiten(W0d)).astype(dtype)
+        del Ww
         R = Wd - s.astype(np.float64)[:, None] * W0d
-    Rw = white.whiten(R)
+        Rw = white.whiten(R)
     low = truncated_svd(
         Rw.astype(cdt),
         rank if sketch_rank is None else max(sketch_rank, rank),
@@ -312,6 +322,5 @@ def fit_layer_whitened(
     diff = R - U.astype(np.float64) @ V.astype(np.float64).T if rank else R
     norm = float(np.linalg.norm(Wd))
     error = float(np.linalg.norm(diff)) / norm if norm > 0 else 0.0
-    out_norm = float(np.linalg.norm(white.whiten(Wd)))
     out_error = float(np.linalg.norm(white.whiten(diff))) / out_norm if out_norm > 0 else 0.0
     return LayerFit(LayerTheta(s=s, U=U, V=V), error, norm, low.S[:rank]), out_error
