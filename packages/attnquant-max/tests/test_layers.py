@@ -5,6 +5,8 @@ one band, in float32 and in bfloat16 (each dtype its own inputs and weights), so
 band weights and both dtypes cost one compile (~1-3 min cold on two cores: keep it small).
 The NVFP4 linears (a lone ``NVFP4Linear`` and a stacked pair) ride in the same graph: a graph
 of their own cost another compile (~80 s cold) for what one more branch of this one proves.
+So do the NVFP4-``W0`` theta layers (``s * (x dequantize(W0)^T) + (x V) U^T``, the dequantize
+form: a stacked pair, and two layers reading one band of rank 72, above the fused op's limit).
 So do the GEMM path's other forms (:func:`mixed_families`: low rank, a shared basis on either
 side, layers served dense or zero, stacked q/k/v first matmuls, banded groups with per-layer
 ranks and different ``G``), in float32, fused (three layers) and unfused (one).
@@ -321,6 +323,97 @@ def _add_nvfp4(root: Any, state: dict[str, Any], quantized: dict[str, Any]) -> A
     return branch
 
 
+#: The NVFP4-W0 theta branch: (out, in, rank) of a stacked pair (one layer with a correction, one
+#: without) and of one band ``c`` shared by two layers, of a rank above the fused op's limit (64).
+NVFP4_THETA_SHAPES = {"a": (48, FFL, 4), "b": (32, FFL, 0), "c": (80, FFL, 72)}
+
+
+def _nvfp4_theta_branch(
+    *, fused_c: bool, prefix: str
+) -> tuple[Any, dict[str, Any], dict[str, np.ndarray]]:
+    """The NVFP4-``W0`` theta layers (``NVFP4Linear`` with ``theta``, ``band``, ``rank``), their
+    weights under ``prefix`` and the numpy references (dequantized ``W0``, ``s``, ``U``, ``V``).
+
+    ``stacked`` (a, b: dequantize form), ``c_first`` (dequantize) and ``c_second`` (fused when
+    ``fused_c``) read one band weight ``c``, owned by the branch's ``bank``.
+    """
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from attnquant_max import dequantize_nvfp4, quantize_nvfp4
+    from attnquant_max._layers import ThetaSharedBlocks
+    from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
+    from attnquant_max._weights import weight_data_from_numpy
+
+    cpu, rng = DeviceRef.CPU(), np.random.default_rng(3)
+    branch, bank = _Holder.make(), ThetaSharedBlocks()
+    branch.bank = bank
+    state: dict[str, Any] = {}
+    reference: dict[str, np.ndarray] = {}
+
+    def band(name: str, out_dim: int, in_dim: int) -> tuple[Any, ...]:
+        W = rng.normal(0.0, in_dim**-0.5, (out_dim, in_dim)).astype(np.float32)
+        q = quantize_nvfp4(W)
+        arrays = (q.weight, q.weight_scale.view(np.uint8), q.weight_scale_2.reshape(1))
+        weights = []
+        for part, a in zip(("packed", "scale", "scale_2"), arrays, strict=True):
+            key = f"attnquant.shared.{name}.0.W0_{part}"
+            dt = DType.float32 if part == "scale_2" else DType.uint8
+            weights.append(bank.add(key, dt, a.shape, cpu))
+            state[f"{prefix}.{key}"] = weight_data_from_numpy(a, f"{prefix}.{key}")
+        reference[name] = dequantize_nvfp4(q)
+        return tuple(weights)
+
+    def theta(module: str, name: str, fused: bool, packed: tuple[Any, ...]) -> Any:
+        out_dim, in_dim, rank = NVFP4_THETA_SHAPES[name]
+        layer = NVFP4Linear(
+            in_dim, out_dim, dtype=DType.float32, device=cpu, fused=fused, band=packed,
+            theta=True, rank=rank,
+        )  # fmt: skip
+        arrays = {"theta_s": (1 + rng.normal(0, 0.1, out_dim)).astype(np.float32)}
+        if rank:
+            arrays["theta_U"] = rng.normal(0, 0.3 * in_dim**-0.5, (out_dim, rank))
+            arrays["theta_V"] = rng.normal(0, rank**-0.5, (in_dim, rank))
+        for k, a in arrays.items():
+            key = f"{prefix}.{module}.{k}"
+            state[key] = weight_data_from_numpy(np.ascontiguousarray(a, np.float32), key)
+            reference[f"{module}.{k}"] = np.asarray(a, np.float32)
+        return layer
+
+    packed = {n: band(n, o, i) for n, (o, i, _) in NVFP4_THETA_SHAPES.items()}
+    # NVFP4StackedLinear leaves its own name out of its members' weight names: "a.theta_s".
+    branch.stacked = NVFP4StackedLinear([theta(n, n, False, packed[n]) for n in "ab"], ["a", "b"])
+    branch.c_first = theta("c_first", "c", False, packed["c"])
+    branch.c_second = theta("c_second", "c", fused_c, packed["c"])
+    return branch, state, reference
+
+
+def test_fused_nvfp4_theta_layer_above_the_kernel_rank_adds_its_correction_as_two_matmuls() -> None:
+    """Traced: ``r = 72 > 64`` runs the fused op without ``U``, ``V`` and two matmuls after it."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from attnquant_kernels import kernels_path
+    from attnquant_max import count_matmuls
+
+    branch, state, _ = _nvfp4_theta_branch(fused_c=True, prefix="nvfp4_theta")
+    root = _Holder.make()
+    root.nvfp4_theta = branch
+    root.load_state_dict(state, strict=True)
+    x_type = TensorType(DType.float32, [TOKENS, FFL], DeviceRef.CPU())
+    graph = Graph(
+        "nvfp4_theta_rank72",
+        lambda x: branch.c_second(x.tensor),
+        [x_type],
+        custom_extensions=[kernels_path()],
+    )
+    text = str(graph)
+    assert text.count('"generated_linear_nvfp4"') == 1
+    assert sum(count_matmuls(text).values()) == 2
+    assert text.count('"nvfp4_theta.c_second.theta_U"') == 1
+    assert text.count('"nvfp4_theta.c_second.theta_V"') == 1
+
+
 def _run(
     families_by_dtype: dict[str, dict[str, FamilyTheta]], forms: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
@@ -345,6 +438,11 @@ def _run(
     form_calls = _add_forms(root, state, forms)
     quantized = _nvfp4_weights()
     nvfp4 = _add_nvfp4(root, state, quantized)
+    theta_branch, theta_state, theta_reference = _nvfp4_theta_branch(
+        fused_c=False, prefix="nvfp4_theta"
+    )
+    root.nvfp4_theta = theta_branch
+    state.update(theta_state)
     root.load_state_dict(state, strict=True)
     dtypes = {"float32": DType.float32, "bfloat16": DType.bfloat16}
     np_dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -365,6 +463,8 @@ def _run(
                 outs.append(block.mlp(inputs[0].tensor))
         outs.append(nvfp4.stacked(inputs[0].tensor))  # the float32 x
         outs.append(nvfp4.c(inputs[-1].tensor))
+        y = inputs[-1].tensor  # the NVFP4-W0 theta branch reads the FFL-wide input
+        outs += [theta_branch.stacked(y), theta_branch.c_first(y), theta_branch.c_second(y)]
         return [ops.cast(o, DType.float32) for o in outs]
 
     input_types = []
@@ -383,6 +483,8 @@ def _run(
     # A shared basis: one graph weight for the layers of its band (o_proj band 0: layers 0, 1).
     basis = '"forms.forms_fused.attnquant.shared.self_attn.o_proj.0.basis"'
     assert text.count(basis) == 1, [line for line in text.splitlines() if basis in line]
+    for part in ("packed", "scale", "scale_2"):  # one NVFP4 W0 for the two layers of band c
+        assert text.count(f'"nvfp4_theta.attnquant.shared.c.0.W0_{part}"') == 1, part
     session = InferenceSession(devices=[CPU()])
     model = session.load(graph, weights_registry=root.state_dict())
     rng = np.random.default_rng(1)
@@ -411,9 +513,16 @@ def _run(
     for variant, (_, graph_layers) in FORM_VARIANTS.items():
         n = 3 * len(graph_layers)
         results["forms"][variant], outs = outs[:n], outs[n:]
-    got_ab, got_c = outs
+    got_ab, got_c, theta_ab, theta_c_first, theta_c_second = outs
     results["nvfp4"] = {"x": arrays["float32"][0], "y": y, "ab": got_ab, "c": got_c}
     results["nvfp4"]["quantized"] = quantized
+    results["nvfp4_theta"] = {
+        "y": y,
+        "ab": theta_ab,
+        "c_first": theta_c_first,
+        "c_second": theta_c_second,
+        "reference": theta_reference,
+    }
     return results
 
 
@@ -499,3 +608,29 @@ def test_nvfp4_linears_match_the_reference(outputs: dict[str, dict[str, Any]]) -
     np.testing.assert_allclose(result["ab"], result["x"] @ W_ab.T, rtol=1e-5, atol=1e-5)
     W_c = dequantize_nvfp4(q["c"])
     np.testing.assert_allclose(result["c"], result["y"] @ W_c.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dequantized_nvfp4_theta_layers_match_the_numpy_identity(
+    outputs: dict[str, dict[str, Any]],
+) -> None:
+    """``s * (x dequantize(W0)^T) + (x V) U^T`` (numpy) from a stacked pair and from two layers
+    reading one band weight (rank 72), W0 dequantized in the graph (the fused op is checked by
+    the whole model of ``test_nvfp4_theta.py`` and by attnquant-kernels' tests)."""
+    result = outputs["nvfp4_theta"]
+    y, reference = result["y"], result["reference"]
+
+    def identity(module: str, name: str) -> np.ndarray:
+        out = (y @ reference[name].T) * reference[f"{module}.theta_s"]
+        if NVFP4_THETA_SHAPES[name][2]:
+            out = out + (y @ reference[f"{module}.theta_V"]) @ reference[f"{module}.theta_U"].T
+        return out
+
+    want_ab = np.concatenate([identity("a", "a"), identity("b", "b")], axis=1)
+    for got, want in (
+        (result["ab"], want_ab),
+        (result["c_first"], identity("c_first", "c")),
+        (result["c_second"], identity("c_second", "c")),
+    ):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))

@@ -10,8 +10,9 @@ be the stock model on the checkpoint's dense rebuild ``W_eff = s * dequantize(W0
 
 Plans, states, refusals and layouts build no graph; the decoders are traced, not compiled, from
 the checkpoint loaded on precompute-outside (the stock graph, cached with the dense model's);
-one whole-model graph (fused, passthrough, rank 16) is compiled, in its own xdist group, and one
-small layer graph (the dequantize form, a band shared by two layers) in another.
+one whole-model graph (fused, passthrough, rank 16) is compiled, in its own xdist group. The
+layers' dequantize form (a band shared by two layers, rank 72) rides in the one layer graph of
+``test_layers.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import struct
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -282,132 +282,3 @@ def test_served_v4_on_the_fused_op_is_the_stock_model_on_the_dense_rebuild(
         assert "attnquant.shared.self_attn.q_proj.1.W0_packed" in pm.state_dict
         assert "layers.1.mlp.down_proj.theta_U" in pm.state_dict
         assert_serves_like(model, outside_v4)
-
-
-# -- the layers (one small graph, no custom op) ------------------------------------------------
-
-#: (out, in, rank) of the layer graph: a stacked pair (one layer with a correction, one without)
-#: and one band shared by two layers, one of a rank above the fused op's limit (64).
-LAYER_SHAPES = {"a": (48, 96, 4), "b": (32, 96, 0), "c": (80, 96, 72)}
-
-
-def _layers(fused_c: bool) -> tuple[Any, dict[str, Any], dict[str, np.ndarray]]:
-    """The layer graph's modules (under one root), their weights and the numpy references."""
-    from max.dtype import DType
-    from max.graph import DeviceRef
-    from max.nn import Module
-
-    from attnquant_max import dequantize_nvfp4, quantize_nvfp4
-    from attnquant_max._layers import ThetaSharedBlocks
-    from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
-    from attnquant_max._weights import weight_data_from_numpy
-
-    class Holder(Module):
-        def __call__(self) -> None:  # pragma: no cover - holds modules
-            raise TypeError
-
-    cpu, rng = DeviceRef.CPU(), np.random.default_rng(3)
-    root, bank = Holder(), ThetaSharedBlocks()
-    state: dict[str, Any] = {}
-    reference: dict[str, np.ndarray] = {}
-    root.bank = bank
-
-    def band(name: str, out_dim: int, in_dim: int) -> tuple[Any, ...]:
-        W = rng.normal(0.0, in_dim**-0.5, (out_dim, in_dim)).astype(np.float32)
-        q = quantize_nvfp4(W)
-        arrays = (q.weight, q.weight_scale.view(np.uint8), q.weight_scale_2.reshape(1))
-        weights = []
-        for part, a in zip(("packed", "scale", "scale_2"), arrays, strict=True):
-            key = f"attnquant.shared.{name}.0.W0_{part}"
-            dt = DType.float32 if part == "scale_2" else DType.uint8
-            weights.append(bank.add(key, dt, a.shape, cpu))
-            state[key] = weight_data_from_numpy(a, key)
-        reference[name] = dequantize_nvfp4(q)
-        return tuple(weights)
-
-    def theta(prefix: str, name: str, fused: bool, packed: tuple[Any, ...]) -> Any:
-        out_dim, in_dim, rank = LAYER_SHAPES[name]
-        layer = NVFP4Linear(
-            in_dim, out_dim, dtype=DType.float32, device=cpu, fused=fused, band=packed,
-            theta=True, rank=rank,
-        )  # fmt: skip
-        arrays = {"theta_s": (1 + rng.normal(0, 0.1, out_dim)).astype(np.float32)}
-        if rank:
-            arrays["theta_U"] = rng.normal(0, 0.3 * in_dim**-0.5, (out_dim, rank))
-            arrays["theta_V"] = rng.normal(0, rank**-0.5, (in_dim, rank))
-        for k, a in arrays.items():
-            key = f"{prefix}.{k}"
-            state[key] = weight_data_from_numpy(np.ascontiguousarray(a, np.float32), key)
-            reference[key] = np.asarray(a, np.float32)
-        return layer
-
-    packed = {n: band(n, o, i) for n, (o, i, _) in LAYER_SHAPES.items()}
-    # NVFP4StackedLinear leaves its own name out of its members' weight names: "a.theta_s".
-    root.stacked = NVFP4StackedLinear([theta(n, n, False, packed[n]) for n in "ab"], ["a", "b"])
-    root.c_first = theta("c_first", "c", False, packed["c"])
-    root.c_second = theta("c_second", "c", fused_c, packed["c"])
-    root.load_state_dict(state, strict=True)
-    return root, state, reference
-
-
-def test_fused_layer_above_the_kernel_rank_adds_its_correction_as_two_matmuls() -> None:
-    """Traced: ``r = 72 > 64`` runs the fused op without ``U``, ``V`` and two matmuls after it."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
-
-    from attnquant_kernels import kernels_path
-
-    root, _, _ = _layers(fused_c=True)
-    x_type = TensorType(DType.float32, [5, 96], DeviceRef.CPU())
-    graph = Graph(
-        "nvfp4_theta_rank72",
-        lambda x: root.c_second(x.tensor),
-        [x_type],
-        custom_extensions=[kernels_path()],
-    )
-    text = str(graph)
-    assert text.count('"generated_linear_nvfp4"') == 1
-    assert sum(count_matmuls(text).values()) == 2
-    assert text.count('"c_second.theta_U"') == text.count('"c_second.theta_V"') == 1
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("nvfp4-theta-layers")  # its own worker, beside the whole model's compile
-def test_dequantized_nvfp4_theta_layers_match_the_numpy_identity() -> None:
-    """``s * (x dequantize(W0)^T) + (x V) U^T`` (numpy) from a stacked pair and from two layers
-    reading one band weight, W0 dequantized in the graph (the fused op is checked by the whole
-    model above and by attnquant-kernels' tests)."""
-    from max.driver import CPU, Buffer
-    from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType
-
-    root, _, reference = _layers(fused_c=False)
-    tokens = 5
-    x_type = TensorType(DType.float32, [tokens, 96], DeviceRef.CPU())
-
-    def forward(x: Any) -> list[Any]:
-        x = x.tensor
-        return [root.stacked(x), root.c_first(x), root.c_second(x)]
-
-    graph = Graph("nvfp4_theta_layers", forward, [x_type])
-    text = str(graph)
-    for part in ("packed", "scale", "scale_2"):  # one weight for the two layers of band c
-        assert text.count(f'"attnquant.shared.c.0.W0_{part}"') == 1
-    model = InferenceSession(devices=[CPU()]).load(graph, weights_registry=root.state_dict())
-    x = np.random.default_rng(4).normal(size=(tokens, 96)).astype(np.float32)
-    ab, c_first, c_second = (np.from_dlpack(o) for o in model.execute(Buffer.from_numpy(x)))
-
-    def identity(prefix: str, name: str) -> np.ndarray:
-        y = (x @ reference[name].T) * reference[f"{prefix}.theta_s"]
-        if LAYER_SHAPES[name][2]:
-            y = y + (x @ reference[f"{prefix}.theta_V"]) @ reference[f"{prefix}.theta_U"].T
-        return y
-
-    want_ab = np.concatenate([identity("a", "a"), identity("b", "b")], axis=1)
-    for got, want in (
-        (ab, want_ab),
-        (c_first, identity("c_first", "c")),
-        (c_second, identity("c_second", "c")),
-    ):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
