@@ -53,8 +53,8 @@ __all__ = [
 # graph comes with "gemm" (its first test loads both), and "custom", "nvfp4" and "nvfp4-fused"
 # read the stock graph from the cache by the time they need it. The two NVFP4 forms are two
 # groups (each about 4-7 min cold) so that the two workers compile them side by side;
-# "nvfp4-theta" (a checkpoint whose W0 is NVFP4, served in the graph on the fused op) is one more;
-# its layers' dequantize form rides in the "layers" graph.
+# "nvfp4-theta" (a checkpoint mixing NVFP4-W0 banded families with float forms, served in the
+# graph on the fused op) is one more; its layers' dequantize form rides in the "layers" graph.
 # Everything else runs after them.
 GRAPH_GROUPS = (
     "gemm",

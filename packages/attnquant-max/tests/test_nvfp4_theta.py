@@ -1,4 +1,5 @@
-"""A theta checkpoint whose ``W0`` is NVFP4 (format version 4) served in the graph, packed.
+"""A theta checkpoint whose ``W0`` is NVFP4 (format version 4) served in the graph, packed, alone or
+mixed with the float forms a ``--budget --quant nvfp4`` fit writes.
 
 ``attnquant decompose --quant nvfp4`` writes each band's ``W0`` as packed E2M1 codes, E4M3 block
 scales and a float32 scale, plus each layer's ``s``, ``U``, ``V``. With
@@ -9,10 +10,13 @@ be the stock model on the checkpoint's dense rebuild ``W_eff = s * dequantize(W0
 (precompute-outside, the numpy identity on the dequantized ``W0``).
 
 Plans, states, refusals and layouts build no graph; the decoders are traced, not compiled, from
-the checkpoint loaded on precompute-outside (the stock graph, cached with the dense model's);
-one whole-model graph (fused, passthrough, rank 16) is compiled, in its own xdist group. The
-layers' dequantize form (a band shared by two layers, rank 72) rides in the one layer graph of
-``test_layers.py``.
+the checkpoint loaded on precompute-outside (the stock graph, cached with the dense model's).
+One whole-model graph is compiled, in its own xdist group: a MIXED checkpoint (:func:`tiny_mixed`:
+q/k/o banded with an NVFP4 W0 at passthrough, r = 16, on the fused op; v and gate/up low rank;
+down a shared basis), so it proves the NVFP4 theta path and its mixing with the GEMM path's
+float forms in one graph (q/k/v a group mixing NVFP4 and float members, gate/up one stacked
+first matmul). The layers' dequantize form (a band shared by two layers, rank 72) rides in the
+one layer graph of ``test_layers.py``.
 """
 
 from __future__ import annotations
@@ -23,14 +27,25 @@ import struct
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from attnquant_core import FAMILIES, ThetaCheckpoint, decompose_checkpoint, save_theta
+from attnquant_core import (
+    FAMILIES,
+    LowRankFamily,
+    SharedBasisFamily,
+    ThetaCheckpoint,
+    ThetaModel,
+    decompose_checkpoint,
+    decompose_family,
+    open_checkpoint,
+    save_theta,
+)
 from attnquant_core.forms import FamilyTheta
 from attnquant_max import AttnquantConfig, LoadedModel, count_matmuls, decoder_graph
-from attnquant_max._nvfp4_theta import NVFP4ThetaLayout
+from attnquant_max._layout import InGraphLayout
 from attnquant_max._weights import plan_serving
 
 from .conftest import LAYERS, PROJECTIONS, load_tiny
@@ -44,6 +59,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FUSED = AttnquantConfig(precompute_outside=False, nvfp4_kernel="fused")
 DEQUANTIZE = replace(FUSED, nvfp4_kernel="dequantize")
 RANK = 16  # the tiny k/v projections [32, 64] allow up to 32
+#: The mixed checkpoint's families banded with an NVFP4 W0 (passthrough, rank RANK); the others
+#: are float: v low rank (r = 8), gate/up low rank (r = 16), down a shared basis (width 24).
+MIXED_NVFP4 = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj")
+MIXED_FLOAT = {
+    "self_attn.v_proj": ("lowrank", 8),
+    "mlp.gate_proj": ("lowrank", 16),
+    "mlp.up_proj": ("lowrank", 16),
+    "mlp.down_proj": ("shared_basis", 24),
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +88,7 @@ def tiny_v4_g1(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 @pytest.fixture(scope="module")
-def tiny_v4_mixed(tiny_v4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_v4_float_down(tiny_v4: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``tiny_v4`` with ``mlp.down_proj`` stored with a float W0 (its dequantization)."""
     model = ThetaCheckpoint.open(tiny_v4).load()
     down = model.families["mlp.down_proj"]
@@ -74,8 +98,53 @@ def tiny_v4_mixed(tiny_v4: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         name=down.name, shared=down.shared, bands=down.bands, layers=down.layers
     )
     config = json.loads((tiny_v4 / "config.json").read_text())
-    out = tmp_path_factory.mktemp("ckpt") / "v4_mixed"
+    out = tmp_path_factory.mktemp("ckpt") / "v4_float_down"
     save_theta(replace(model, families=families), out, config=config)
+    return out
+
+
+def mixed_model(dense: Path) -> ThetaModel:
+    """The tiny Llama with fixed forms (no budget search): :data:`MIXED_NVFP4` banded with an
+    NVFP4 W0 at passthrough (``decompose_family(quant="nvfp4")``), :data:`MIXED_FLOAT` low rank
+    (the truncated SVD of each weight) or a shared basis on the input side (one band: the top
+    right singular vectors of the layers' stacked weights, each layer's coefficients ``W_l B``),
+    all float32."""
+    ckpt = open_checkpoint(dense)
+    tensors = {key: ckpt.get(key) for key in ckpt.keys()}
+    families: dict[str, Any] = {}
+    for name, info in ckpt.families.items():
+        weights = [np.asarray(tensors.pop(key), np.float32) for key in info.keys]
+        if name in MIXED_NVFP4:
+            families[name], _ = decompose_family(
+                weights, blocks="layers", rank=RANK, name=name, quant="nvfp4"
+            )
+            continue
+        form, r = MIXED_FLOAT[name]
+        if form == "lowrank":
+            svds = [np.linalg.svd(W, full_matrices=False) for W in weights]
+            families[name] = LowRankFamily(
+                name=name,
+                U=tuple(np.ascontiguousarray(u[:, :r] * s[:r]) for u, s, _ in svds),
+                V=tuple(np.ascontiguousarray(vt[:r].T) for _, _, vt in svds),
+            )
+        else:
+            B = np.ascontiguousarray(np.linalg.svd(np.concatenate(weights))[2][:r].T)
+            families[name] = SharedBasisFamily(
+                name=name,
+                side="in",
+                bases=(B,),
+                bands=(0,) * len(weights),
+                coefs=tuple(np.ascontiguousarray(W @ B) for W in weights),
+            )
+    return ThetaModel(families=families, stack=ckpt.stack, extra=tensors)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`mixed_model` written as a theta checkpoint (format version 4)."""
+    out = tmp_path_factory.mktemp("ckpt") / "mixed"
+    config = json.loads((tiny_dense / "config.json").read_text())
+    save_theta(mixed_model(tiny_dense), out, config=config, source_dir=tiny_dense)
     return out
 
 
@@ -117,8 +186,8 @@ def test_quant_nvfp4_on_a_quantized_checkpoint_serves_it_as_stored(tiny_v4: Path
     plan = plan_serving(tiny_v4, quant)
     assert plan.nvfp4_w0 and plan.path == "gemm" and not plan.quantized
     assert "not quantized twice" in plan.describe()
-    in_graph = dict(plan_serving(tiny_v4, FUSED).nvfp4_theta_state())
-    state = dict(plan.nvfp4_theta_state())
+    in_graph = dict(plan_serving(tiny_v4, FUSED).theta_state())
+    state = dict(plan.theta_state())
     assert state.keys() == in_graph.keys()
     assert all(np.array_equal(state[k], in_graph[k]) for k in state)
 
@@ -158,16 +227,37 @@ def test_paths_that_would_dequantize_w0_are_refused(
 
 
 @pytest.mark.parametrize("config", [FUSED, AttnquantConfig(quant="nvfp4")], ids=["gemm", "quant"])
-def test_families_without_an_nvfp4_w0_are_refused(
-    tiny_v4_mixed: Path, config: AttnquantConfig
+def test_a_mixed_checkpoint_is_planned_in_one_graph_and_says_what_each_form_runs_as(
+    tiny_mixed: Path, config: AttnquantConfig
 ) -> None:
-    with pytest.raises(
-        NotImplementedError,
-        match=r"but not mlp\.down_proj \(banded, float W0\).*ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and "
-        r"ATTNQUANT_QUANT unset",
-    ):
-        plan_serving(tiny_v4_mixed, config)
-    assert not plan_serving(tiny_v4_mixed, AttnquantConfig()).nvfp4_w0  # the dense rebuild
+    """NVFP4-W0 families beside low rank and shared basis: one in-graph plan (no refusal), whose
+    start-up line names the NVFP4 families, how they run, and the float forms' counts."""
+    plan = plan_serving(tiny_mixed, config)
+    assert plan.nvfp4_families == tuple(sorted(MIXED_NVFP4))
+    assert plan.nvfp4_w0 and plan.in_graph and plan.path == "gemm" and not plan.quantized
+    line = plan.describe()
+    assert "holding its stored bytes" in line and "\n" not in line
+    names = "self_attn.k_proj, self_attn.o_proj, self_attn.q_proj"
+    assert f"3 families ({names}) banded with an NVFP4 W0" in line
+    assert "NVFP4 W0 held packed as stored" in line and "one copy per band" in line
+    assert "3 lowrank, 1 shared_basis on the GEMM path as stored" in line
+    assert "per member in a group with an NVFP4 member" in line
+    precompute_outside = plan_serving(tiny_mixed, AttnquantConfig())
+    assert not precompute_outside.nvfp4_w0 and precompute_outside.path == "precompute-outside"
+
+
+def test_a_float_w0_banded_family_beside_nvfp4_ones_is_served_banded(
+    tiny_v4_float_down: Path,
+) -> None:
+    plan = plan_serving(tiny_v4_float_down, FUSED)
+    assert "mlp.down_proj" not in plan.nvfp4_families and len(plan.nvfp4_families) == 6
+    assert "1 banded (float W0) on the GEMM path as stored" in plan.describe()
+    state = {k.removeprefix("model."): v for k, v in plan.theta_state()}
+    assert "attnquant.gemm.mlp.down_proj.0.W0V" in state
+    assert "attnquant.shared.mlp.down_proj.0.W0_packed" not in state
+    layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
+    assert layout is not None and set(layout.forms["mlp.down_proj"]) == {"banded"}
+    assert set(layout.forms["mlp.up_proj"]) == {"nvfp4"}
 
 
 # -- the state and its layout (no graph) ---------------------------------------------------------
@@ -179,7 +269,7 @@ def test_state_holds_the_stored_bytes_and_nothing_dequantized(
 ) -> None:
     path = tiny_v4 if which == "passthrough" else tiny_v4_g1
     G = LAYERS if which == "passthrough" else 1
-    state = {k.removeprefix("model."): v for k, v in plan_serving(path, FUSED).nvfp4_theta_state()}
+    state = {k.removeprefix("model."): v for k, v in plan_serving(path, FUSED).theta_state()}
     assert sum(a.nbytes for a in state.values()) == stored_bytes(path)
     assert not any(k.endswith(tuple(f"{f}.weight" for f in FAMILIES)) for k in state)
     ckpt = ThetaCheckpoint.open(path)
@@ -196,12 +286,39 @@ def test_state_holds_the_stored_bytes_and_nothing_dequantized(
             np.testing.assert_array_equal(packed, q.weight)
             np.testing.assert_array_equal(scale, q.weight_scale.view(np.uint8))
         assert f"attnquant.shared.{family}.{G}.W0_packed" not in state
-    layout = NVFP4ThetaLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES)
-    assert layout is not None
-    assert layout.blocks == dict.fromkeys(FAMILIES, G)
-    assert layout.ranks["mlp.up_proj"] == (RANK if G == LAYERS else 8,) * LAYERS
+    layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
+    assert layout is not None and layout.gemm and layout.blocks == G and not layout.groups
+    assert layout.nvfp4_shapes == PROJECTIONS
+    assert {b.band for b in layout.served["mlp.up_proj"]} == set(range(G))
+    assert layout.served["mlp.up_proj"][0].rank == (RANK if G == LAYERS else 8)
+    assert all(set(kinds) == {"nvfp4"} for kinds in layout.forms.values())
     theta = {k for k in state if k.startswith("attnquant.") or ".theta_" in k}
-    assert layout.keys() == theta
+    assert layout.keys(LAYERS) == theta
+
+
+def test_mixed_state_holds_the_stored_bytes_each_form_as_the_gemm_path_serves_it(
+    tiny_mixed: Path,
+) -> None:
+    state = {k.removeprefix("model."): v for k, v in plan_serving(tiny_mixed, FUSED).theta_state()}
+    assert sum(a.nbytes for a in state.values()) == stored_bytes(tiny_mixed)
+    assert not any(k.endswith(tuple(f"{f}.weight" for f in FAMILIES)) for k in state)
+    layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
+    assert layout is not None and layout.gemm and not layout.groups
+    assert set(layout.nvfp4_shapes) == set(MIXED_NVFP4)
+    forms = {name: set(kinds) for name, kinds in layout.forms.items()}
+    assert forms == {
+        **{name: {"nvfp4"} for name in MIXED_NVFP4},
+        "self_attn.v_proj": {"lowrank"},
+        "mlp.gate_proj": {"lowrank"},
+        "mlp.up_proj": {"lowrank"},
+        "mlp.down_proj": {"basis_in"},
+    }
+    # gate/up (both low rank): one stacked first matmul; q/k/v (mixed): each member alone.
+    assert layout.stacked == {"mlp.gate_up_proj": tuple(range(LAYERS))}
+    assert "layers.0.mlp.gate_up_proj.theta_in" in state
+    assert "layers.0.self_attn.qkv_proj.theta_in" not in state
+    theta = {k for k in state if k.startswith("attnquant.") or ".theta_" in k}
+    assert layout.keys(LAYERS) == theta
 
 
 def test_layout_refuses_a_state_without_every_family() -> None:
@@ -210,8 +327,8 @@ def test_layout_refuses_a_state_without_every_family() -> None:
         "layers.0.self_attn.q_proj.theta_s": (64,),
     }
     with pytest.raises(ValueError, match=r"missing \['self_attn\.k_proj'"):
-        NVFP4ThetaLayout.from_state(shapes, FAMILIES)
-    assert NVFP4ThetaLayout.from_state({"layers.0.x.weight": (4, 4)}, FAMILIES) is None
+        InGraphLayout.from_state(shapes, FAMILIES, fuse=True)
+    assert InGraphLayout.from_state({"layers.0.x.weight": (4, 4)}, FAMILIES, fuse=True) is None
 
 
 # -- traced decoders (no compile) -------------------------------------------------------------
@@ -263,22 +380,58 @@ def test_traced_decoder_holds_each_band_once(tiny_v4_g1: Path) -> None:
     assert text.count('"generated_linear_nvfp4"') == len(PROJECTIONS) * LAYERS
 
 
+@pytest.fixture(scope="module")
+def outside_mixed(tiny_mixed: Path) -> Iterator[LoadedModel]:
+    """The mixed checkpoint rebuilt dense at load (the reference): the stock graph, cached."""
+    with load_tiny(tiny_mixed) as model:
+        yield model
+
+
+@pytest.mark.slow
+def test_traced_mixed_decoders_run_each_form_as_stored(
+    outside_mixed: LoadedModel, tiny_mixed: Path
+) -> None:
+    """Fused: one generated_linear_nvfp4 per NVFP4 projection (q, k, o), two matmuls for v and
+    for down, three for gate/up (one stacked first matmul, each U); dequantize: each NVFP4
+    projection one matmul plus two for its correction, q and k each alone (their group mixes
+    NVFP4 and float members). Both hold the checkpoint's stored bytes."""
+    fused, fused_bytes = _text(outside_mixed, FUSED)
+    assert fused.count('"generated_linear_nvfp4"') == len(MIXED_NVFP4) * LAYERS
+    float_matmuls = 2 + 3 + 2  # v; gate/up; down
+    assert sum(count_matmuls(fused).values()) == 1 + float_matmuls * LAYERS
+    deq, deq_bytes = _text(outside_mixed, DEQUANTIZE)
+    assert '"generated_linear_nvfp4"' not in deq
+    per_layer = float_matmuls + 3 * len(MIXED_NVFP4)
+    assert sum(count_matmuls(deq).values()) == 1 + per_layer * LAYERS
+    assert fused_bytes == deq_bytes == stored_bytes(tiny_mixed)
+
+
 # -- the served model (one whole-model graph) ----------------------------------------------------
 
 
 @pytest.mark.slow
-def test_served_v4_on_the_fused_op_is_the_stock_model_on_the_dense_rebuild(
-    tiny_v4: Path, outside_v4: LoadedModel
+def test_served_mixed_checkpoint_on_the_fused_op_is_the_stock_model_on_the_dense_rebuild(
+    tiny_mixed: Path, outside_mixed: LoadedModel, dense_model: LoadedModel
 ) -> None:
-    """Greedy tokens equal and log-probs to 1e-4 against ``s * dequantize(W0) + U V^T`` rebuilt
-    in numpy at load (precompute-outside), holding the checkpoint's bytes."""
+    """NVFP4-W0 families (fused op) and float forms (GEMM path) in one graph: greedy tokens equal
+    and log-probs to 1e-4 against every family rebuilt in numpy at load (precompute-outside:
+    ``s * dequantize(W0) + U V^T``, ``U V^T``, ``U B^T``), holding the checkpoint's bytes."""
     from attnquant_max import ThetaLlama3Model
 
-    with load_tiny(tiny_v4, FUSED) as model:
+    with load_tiny(tiny_mixed, FUSED) as model:
         pm = model.model.pipeline._pipeline_model
         assert isinstance(pm, ThetaLlama3Model)
-        assert pm.weight_bytes == stored_bytes(tiny_v4)
-        assert not any(k.endswith("q_proj.weight") for k in pm.state_dict)
+        held = pm.weight_bytes
+        assert held == stored_bytes(tiny_mixed)
+        assert not any(k.endswith("_proj.weight") for k in pm.state_dict)
         assert "attnquant.shared.self_attn.q_proj.1.W0_packed" in pm.state_dict
-        assert "layers.1.mlp.down_proj.theta_U" in pm.state_dict
-        assert_serves_like(model, outside_v4)
+        assert "layers.1.self_attn.o_proj.theta_U" in pm.state_dict
+        assert "layers.1.self_attn.v_proj.theta_V" in pm.state_dict
+        assert "layers.1.mlp.gate_up_proj.theta_in" in pm.state_dict
+        assert "attnquant.shared.mlp.down_proj.0.basis" in pm.state_dict
+        assert_serves_like(model, outside_mixed)
+    dense = dense_model.model.pipeline._pipeline_model.weight_bytes
+    print(
+        f"tiny Llama, mixed (NVFP4 W0 + r={RANK}; float forms) in the graph: {held} B, "
+        f"dense {dense} B"
+    )

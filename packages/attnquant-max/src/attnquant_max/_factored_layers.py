@@ -27,7 +27,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
 
-from ._served import KINDS
+from ._served import FACTORED_KINDS
 
 __all__ = ["FactoredLinear", "ThetaStackedInput"]
 
@@ -69,8 +69,8 @@ class FactoredLinear(Module):
         own_input: bool = True,
     ) -> None:
         super().__init__()
-        if kind not in KINDS or kind == "banded":
-            raise ValueError(f"FactoredLinear serves {KINDS[1:]}, not {kind!r}")
+        if kind not in FACTORED_KINDS:
+            raise ValueError(f"FactoredLinear serves {FACTORED_KINDS}, not {kind!r}")
         self.in_dim, self.out_dim, self.kind, self.device = in_dim, out_dim, kind, device
         self.rank = rank if kind in ("lowrank", "basis_in", "basis_out") else 0
         self.own_input = own_input

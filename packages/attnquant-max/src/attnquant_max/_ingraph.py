@@ -9,9 +9,9 @@ in every decoder block, the three modules that hold projection weights:
 * ``self_attn.o_proj`` by a :class:`~attnquant_max._layers.ThetaLinear`;
 * ``mlp`` by a :class:`~attnquant_max._layers.ThetaMLP`.
 
-:class:`NVFP4Llama3` swaps them for NVFP4 layers (``ATTNQUANT_QUANT=nvfp4``), and
-:class:`NVFP4ThetaLlama3` for the same NVFP4 layers with ``s``, ``U``, ``V``, serving a theta
-checkpoint whose ``W0`` is stored in NVFP4 with its packed bytes held once per band.
+Families banded with a ``W0`` stored in NVFP4 (format version 4) are NVFP4 layers with ``s``,
+``U``, ``V`` in the same model, beside any float form, their packed bytes held once per band.
+:class:`NVFP4Llama3` swaps every projection for an NVFP4 layer (``ATTNQUANT_QUANT=nvfp4``).
 
 :class:`ThetaLlama3Model` is the stock pipeline model, which builds this model
 instead of the stock one when the weight adapter handed it theta tensors (the
@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from max.dtype import DType
 from max.graph import Graph
 from max.pipelines.architectures.llama3.llama3 import Llama3
 from max.pipelines.architectures.llama3.model import Llama3Model
@@ -36,20 +35,16 @@ from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 
 from attnquant_core import FAMILIES
-from attnquant_core.io import NVFP4_PARTS, nvfp4_key
 from attnquant_kernels import kernels_path
 
 from ._config import serving_path
-from ._layers import ThetaBuilder, ThetaMLP, ThetaSharedBlocks
+from ._layers import ThetaBuilder, ThetaMLP
 from ._layout import InGraphLayout
-from ._nvfp4 import BLOCK_SIZE
-from ._nvfp4_layers import NVFP4Band, NVFP4Linear, NVFP4StackedLinear, nvfp4_fused
-from ._nvfp4_theta import NVFP4ThetaLayout
+from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, nvfp4_fused
 from ._weights import config_override, current_config
 
 __all__ = [
     "NVFP4Llama3",
-    "NVFP4ThetaLlama3",
     "ThetaLlama3",
     "ThetaLlama3Model",
     "count_matmuls",
@@ -97,7 +92,10 @@ class ThetaLlama3(Llama3):
 
     Weight names: the stock ones for everything but the projections;
     ``layers.<i>.<family>.theta_{s,U,V}`` and the band weights of
-    :mod:`attnquant_max._layout` for those.
+    :mod:`attnquant_max._layout` for those. A family banded with an NVFP4 ``W0`` (GEMM path)
+    keeps the checkpoint's names, ``attnquant.shared.<family>.<band>.W0_packed``, ``W0_scale``,
+    ``W0_scale_2`` held once per band, and runs as ``ATTNQUANT_NVFP4_KERNEL`` says (fused
+    ``generated_linear_nvfp4`` or dequantized in the graph; ``auto`` timed once at start-up).
     """
 
     def __init__(self, config: Llama3Config, layout: InGraphLayout) -> None:
@@ -107,12 +105,24 @@ class ThetaLlama3(Llama3):
             "ATTNQUANT_PRECOMPUTE_OUTSIDE=1, the default)",
         )
         super().__init__(config)
+        shapes = _shapes(config)
+        fused = False
+        if layout.nvfp4:
+            wrong = {f: s for f, s in layout.nvfp4_shapes.items() if s != shapes.get(f)}
+            if wrong:
+                raise ValueError(
+                    f"the NVFP4 W0 of {', '.join(wrong)} is {list(wrong.values())}, the model's "
+                    f"config asks for {[shapes.get(f) for f in wrong]}"
+                )
+            fused = _nvfp4_kernel_fused(config.devices[0], shapes)
+            self.needs_kernels = fused
         builder = ThetaBuilder(
             layout,
             num_layers=config.num_hidden_layers,
-            shapes=_shapes(config),
+            shapes=shapes,
             dtype=config.dtype,
             device=config.devices[0],
+            nvfp4_fused=fused,
         )
         for i, block in enumerate(self.layers):
             block.self_attn.replace_module("qkv_proj", builder.stacked(QKV, i))
@@ -164,74 +174,6 @@ def _nvfp4_kernel_fused(device: Any, shapes: Mapping[str, tuple[int, int]]) -> b
     return kernel == "fused"
 
 
-class NVFP4ThetaLlama3(Llama3):
-    """The stock single-device Llama3 serving a theta checkpoint whose ``W0`` is NVFP4, in the graph.
-
-    Every projection is an :class:`~attnquant_max._nvfp4_layers.NVFP4Linear` with ``theta``:
-    ``y = s * (x W0^T) + (x V) U^T`` with ``W0`` decoded from its packed bytes, as one
-    ``generated_linear_nvfp4`` dispatch or dequantized in the graph (``ATTNQUANT_NVFP4_KERNEL``,
-    as :class:`NVFP4Llama3` chooses); q/k/v and gate/up as :class:`NVFP4StackedLinear` groups.
-    Each band's three packed tensors are one weight each, under the checkpoint's names
-    (``attnquant.shared.<family>.<band>.W0_packed``, ``W0_scale``, ``W0_scale_2``), owned by one
-    :class:`~attnquant_max._layers.ThetaSharedBlocks` and referenced by the band's layers; ``s``,
-    ``U``, ``V`` are ``layers.<i>.<family>.theta_{s,U,V}`` (:mod:`attnquant_max._nvfp4_theta`).
-    """
-
-    def __init__(self, config: Llama3Config, layout: NVFP4ThetaLayout) -> None:
-        _refuse_unsupported(
-            config,
-            "the in-graph NVFP4 theta Llama (serve this model on the precompute-outside path: "
-            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 with ATTNQUANT_QUANT unset, the defaults)",
-        )
-        super().__init__(config)
-        shapes = _shapes(config)
-        wrong = {f: layout.shapes.get(f) for f in shapes if layout.shapes.get(f) != shapes[f]}
-        if wrong:
-            raise ValueError(
-                f"the NVFP4 W0 of {', '.join(wrong)} is {list(wrong.values())}, the model's "
-                f"config asks for {[shapes[f] for f in wrong]}"
-            )
-        dtype, device = config.dtype, config.devices[0]
-        fused = _nvfp4_kernel_fused(device, shapes)
-        self.needs_kernels = fused
-        bank = ThetaSharedBlocks()
-
-        def band(family: str, b: int) -> NVFP4Band:
-            out_dim, in_dim = shapes[family]
-            specs = (
-                (DType.uint8, [out_dim, in_dim // 2]),
-                (DType.uint8, [out_dim, in_dim // BLOCK_SIZE]),
-                (DType.float32, [1]),
-            )
-            w, ws, ws2 = (
-                bank.add(nvfp4_key(family, b, part), dt, shape, device)
-                for part, (dt, shape) in zip(NVFP4_PARTS, specs, strict=True)
-            )
-            return w, ws, ws2
-
-        def linear(family: str, i: int) -> NVFP4Linear:
-            out_dim, in_dim = shapes[family]
-            return NVFP4Linear(
-                in_dim,
-                out_dim,
-                dtype=dtype,
-                device=device,
-                fused=fused,
-                band=band(family, layout.bands[family][i]),
-                theta=True,
-                rank=layout.ranks[family][i],
-            )
-
-        for i, block in enumerate(self.layers):
-            qkv = NVFP4StackedLinear([linear(f, i) for f in QKV], ["q_proj", "k_proj", "v_proj"])
-            block.self_attn.replace_module("qkv_proj", qkv)
-            block.self_attn.replace_module("o_proj", linear("self_attn.o_proj", i))
-            gate_up = NVFP4StackedLinear([linear(f, i) for f in GATE_UP], ["gate_proj", "up_proj"])
-            block.replace_module("mlp", ThetaMLP(gate_up, linear("mlp.down_proj", i)))  # type: ignore[arg-type]
-        self.attnquant_blocks = bank
-        self.nvfp4_layout = layout
-
-
 def _is_nvfp4_state(state_dict: Mapping[str, Any]) -> bool:
     return any(key.endswith(".weight_scale_2") for key in state_dict)
 
@@ -262,16 +204,7 @@ class ThetaLlama3Model(Llama3Model):
     weight_bytes: int = 0
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
-        shapes = {k: [int(d) for d in v.shape] for k, v in self.state_dict.items()}
-        if (nvfp4 := NVFP4ThetaLayout.from_state(shapes, FAMILIES)) is not None:
-            self._single_device(
-                "the in-graph NVFP4 theta model runs on one device; serve on several with "
-                "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_QUANT unset (the defaults)",
-                model_config,
-            )
-            model = NVFP4ThetaLlama3(model_config, nvfp4)
-            specs = {GraphRole.DECODER: self._spec(model_config, model)}
-        elif _is_nvfp4_state(self.state_dict):
+        if _is_nvfp4_state(self.state_dict):
             self._single_device(
                 "NVFP4 serving (ATTNQUANT_QUANT=nvfp4) runs on one device", model_config
             )
@@ -281,7 +214,8 @@ class ThetaLlama3Model(Llama3Model):
         else:
             self._single_device(
                 "the in-graph theta paths run on one device; serve on several with "
-                "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)",
+                "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
+                + (" and ATTNQUANT_QUANT unset" if layout.nvfp4 else ""),
                 model_config,
             )
             specs = {GraphRole.DECODER: self._spec(model_config, ThetaLlama3(model_config, layout))}

@@ -11,7 +11,12 @@ Two formulations of ``y = s * (x W0^T) + (x V) U^T`` (DESIGN §1, §5.2):
   (low rank, shared basis, or served dense) are
   :class:`~attnquant_max._factored_layers.FactoredLinear` layers, their q/k/v (gate/up)
   stacked into one first matmul where the forms allow
-  (:class:`~attnquant_max._factored_layers.ThetaStackedInput`).
+  (:class:`~attnquant_max._factored_layers.ThetaStackedInput`). Banded families whose ``W0``
+  is stored in NVFP4 are :class:`~attnquant_max._nvfp4_layers.NVFP4Linear` layers with
+  ``theta`` (the band's packed ``W0`` in the bank, decoded in the graph: one fused
+  ``generated_linear_nvfp4`` dispatch or dequantize-then-matmul); a q/k/v (gate/up) group of
+  them only is one :class:`~attnquant_max._nvfp4_layers.NVFP4StackedLinear`, a group mixing
+  them with float forms runs each member alone, outputs concatenated.
 * **In-graph precompute** (``precompute=True``, ``ATTNQUANT_PRECOMPUTE=1``):
   ``W_eff = s * W0 + U V^T`` formed in the graph, then one matmul (one over the
   concatenated ``W_eff`` for a group, as the stock model does).
@@ -40,9 +45,12 @@ from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
 
 from attnquant_core import band_of_layers, basis_key, shared_key
+from attnquant_core.io import NVFP4_PARTS, nvfp4_key
 
 from ._factored_layers import FactoredLinear, ThetaStackedInput
 from ._layout import FUSED_GROUPS, InGraphLayout, gemm_band_key
+from ._nvfp4 import BLOCK_SIZE
+from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
 
 __all__ = [
     "ThetaBuilder",
@@ -364,6 +372,9 @@ class ThetaBuilder:
         The projection shapes.
     dtype, device
         Of every theta weight.
+    nvfp4_fused : bool
+        GEMM, families whose ``W0`` is NVFP4: one ``generated_linear_nvfp4`` dispatch per
+        projection (``True``) or ``W0`` dequantized in the graph (``ATTNQUANT_NVFP4_KERNEL``).
     """
 
     def __init__(
@@ -374,8 +385,10 @@ class ThetaBuilder:
         shapes: Mapping[str, tuple[int, int]],
         dtype: DType,
         device: DeviceRef,
+        nvfp4_fused: bool = False,
     ) -> None:
         self.layout = layout
+        self.nvfp4_fused = nvfp4_fused
         self.shapes = dict(shapes)
         self.dtype, self.device = dtype, device
         self.num_layers = num_layers
@@ -438,7 +451,39 @@ class ThetaBuilder:
             own_input=own_input,
         )
 
-    def _alone(self, family: str, layer: int) -> ThetaLinear | FactoredLinear:
+    def _kind(self, family: str, layer: int) -> str | None:
+        """GEMM: how ``layer`` of ``family`` is served (:mod:`attnquant_max._served`)."""
+        how = self.layout.served.get(family) if self.layout.gemm else None
+        return how[layer].kind if how else None
+
+    def _nvfp4(self, family: str, layer: int) -> NVFP4Linear:
+        """GEMM: ``family`` of ``layer`` banded with an NVFP4 ``W0``, the band's three packed
+        tensors created once in the bank under the checkpoint's names."""
+        how = self.layout.served[family][layer]
+        out_dim, in_dim = self.shapes[family]
+        specs = (
+            (DType.uint8, [out_dim, in_dim // 2]),
+            (DType.uint8, [out_dim, in_dim // BLOCK_SIZE]),
+            (DType.float32, [1]),
+        )
+        w, ws, ws2 = (
+            self.bank.add(nvfp4_key(family, how.band, part), dt, shape, self.device)
+            for part, (dt, shape) in zip(NVFP4_PARTS, specs, strict=True)
+        )
+        return NVFP4Linear(
+            in_dim,
+            out_dim,
+            dtype=self.dtype,
+            device=self.device,
+            fused=self.nvfp4_fused,
+            band=(w, ws, ws2),
+            theta=True,
+            rank=how.rank,
+        )
+
+    def _alone(self, family: str, layer: int) -> ThetaLinear | FactoredLinear | NVFP4Linear:
+        if self._kind(family, layer) == "nvfp4":
+            return self._nvfp4(family, layer)
         if not self.layout.gemm:
             assert self.bands is not None
             band = self.bands[layer]
@@ -455,22 +500,26 @@ class ThetaBuilder:
         weight, offset = self._band_weight(group, layer)
         return self._member(family, layer, weight, offset)
 
-    def linear(self, family: str, layer: int) -> ThetaLinear | FactoredLinear:
+    def linear(self, family: str, layer: int) -> ThetaLinear | FactoredLinear | NVFP4Linear:
         """The projection ``family`` of ``layer``, on its own (o_proj, down_proj)."""
         return self._alone(family, layer)
 
     def stacked(
         self, families: Sequence[str], layer: int
-    ) -> ThetaStackedLinear | ThetaStackedInput:
+    ) -> ThetaStackedLinear | ThetaStackedInput | NVFP4StackedLinear:
         """``families`` of ``layer`` (q/k/v or gate/up), outputs concatenated in that order.
 
         GEMM: one band weight and two matmuls when the layout fuses them (banded), one
         stacked first matmul and a second per projection (:class:`ThetaStackedInput`) when
-        their forms allow, else each projection alone. Precompute: one matmul over the
+        their forms allow, one :class:`~attnquant_max._nvfp4_layers.NVFP4StackedLinear` when
+        every member is banded with an NVFP4 ``W0``, else each projection alone (a group
+        mixing NVFP4 and float members among them). Precompute: one matmul over the
         concatenated ``W_eff`` when fused, else each projection alone.
         """
         families = list(families)
         names = [f.rsplit(".", 1)[-1] for f in families]
+        if all(self._kind(f, layer) == "nvfp4" for f in families):
+            return NVFP4StackedLinear([self._nvfp4(f, layer) for f in families], names)
         group = self.layout.group_of(families[0])
         fused = group is not None and self.layout.groups[group] == tuple(families)
         if self.layout.gemm and fused:

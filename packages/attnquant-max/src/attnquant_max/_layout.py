@@ -31,6 +31,13 @@ The other forms (GEMM path only; how each layer is served is
     the band's basis, held once per band.
 ``<stack>.<i>.<family>.weight`` ``[out, in]``
     a layer served dense, rebuilt once at load (its factors are not smaller).
+``attnquant.shared.<family>.<band>.W0_packed``, ``W0_scale``, ``W0_scale_2``
+    a banded family whose ``W0`` is stored in NVFP4 (kind ``nvfp4``): the band's packed ``W0``
+    as stored (E4M3 block scales as uint8 bytes, the per-tensor scale ``[1]``), held once per
+    band, with ``<stack>.<i>.<family>.theta_s`` (``theta_U``, ``theta_V`` where ``r > 0``) per
+    layer. Such a family has no ``W0V``: its q/k/v (gate/up) group runs per member, outputs
+    concatenated (one :class:`~attnquant_max._nvfp4_layers.NVFP4StackedLinear` when every member
+    is one).
 ``<stack>.<i>.<group>.theta_in`` ``[rows, in]``
     q/k/v (or gate/up) of one layer whose first matmuls all read a per-layer tensor (dense
     ``W``, low-rank ``V_l^T``, output-side ``V_l^T``): those rows stacked at load, so one
@@ -50,6 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from attnquant_core import band_of_layers, basis_key, shared_key, theta_key
+from attnquant_core.io import NVFP4_PARTS, nvfp4_key
 
 from ._served import (
     FUSED_GROUPS,
@@ -103,6 +111,9 @@ class InGraphLayout:
     stacked : dict of str to tuple of int
         GEMM path: the layers of each fused group that run one stacked first matmul
         (``theta_in``).
+    nvfp4_shapes : dict of str to (int, int)
+        GEMM path: ``(out, in)`` of each banded family whose ``W0`` is NVFP4 (served kind
+        ``nvfp4``), read from its packed ``W0``.
     """
 
     gemm: bool
@@ -113,6 +124,12 @@ class InGraphLayout:
     fused_mlp: bool = True
     served: dict[str, tuple[Served, ...]] = field(default_factory=dict)
     stacked: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    nvfp4_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def nvfp4(self) -> bool:
+        """Whether some family is banded with an NVFP4 ``W0`` (served packed, decoded in the graph)."""
+        return bool(self.nvfp4_shapes)
 
     @property
     def fused(self) -> bool:
@@ -156,9 +173,13 @@ class InGraphLayout:
             group = fused_group_of(family)
             in_stack = self.stacked.get(group, ()) if group is not None else ()
             for i, h in enumerate(how):
-                if h.kind == "banded":
+                if h.kind in ("banded", "nvfp4"):
                     keys.add(theta_key(stack, i, family, "s"))
-                if h.kind in ("banded", "lowrank", "basis_in") and h.rank:
+                if h.kind == "nvfp4":
+                    keys.update(nvfp4_key(family, h.band, part) for part in NVFP4_PARTS)
+                    if h.rank:
+                        keys.add(theta_key(stack, i, family, "V"))
+                if h.kind in ("banded", "lowrank", "basis_in", "nvfp4") and h.rank:
                     keys.add(theta_key(stack, i, family, "U"))
                 if h.kind in ("lowrank", "basis_out") and i not in in_stack:
                     keys.add(theta_key(stack, i, family, "V"))
@@ -191,20 +212,29 @@ class InGraphLayout:
         """
         gemm_bands: dict[str, set[int]] = {}
         shared_bands: dict[str, set[int]] = {}
-        for key in shapes:
-            if key.startswith(GEMM_PREFIX) and key.endswith(".W0V"):
+        nvfp4_bands: dict[str, dict[int, tuple[int, int]]] = {}
+        for key, shape in shapes.items():
+            if (m := _PACKED.match(key)) is not None:
+                out_dim, half = (int(d) for d in shape)
+                nvfp4_bands.setdefault(m["family"], {})[int(m["band"])] = (out_dim, 2 * half)
+            elif key.startswith(GEMM_PREFIX) and key.endswith(".W0V"):
                 group, band = key[len(GEMM_PREFIX) : -len(".W0V")].rsplit(".", 1)
                 gemm_bands.setdefault(group, set()).add(int(band))
             elif key.startswith("attnquant.shared.") and key.endswith(".W0"):
                 family, band = key[len("attnquant.shared.") : -len(".W0")].rsplit(".", 1)
                 shared_bands.setdefault(family, set()).add(int(band))
-        if not gemm_bands and not shared_bands and not _has_factored(shapes, stack):
+        if not (gemm_bands or shared_bands or nvfp4_bands or _has_factored(shapes, stack)):
             return None
         if gemm_bands and shared_bands:
             raise ValueError("a state holds both GEMM band weights (W0V) and W0 blocks")
+        if shared_bands and nvfp4_bands:
+            raise ValueError(
+                "the in-graph precompute state holds NVFP4 W0 blocks: only the GEMM path serves "
+                "them packed"
+            )
         if shared_bands:
             return cls._precompute(shapes, families, shared_bands, fuse=fuse, stack=stack)
-        return cls._gemm(shapes, families, gemm_bands, stack=stack)
+        return cls._gemm(shapes, families, gemm_bands, nvfp4_bands, stack=stack)
 
     @classmethod
     def _precompute(
@@ -247,6 +277,7 @@ class InGraphLayout:
         shapes: Mapping[str, Sequence[int]],
         families: Sequence[str],
         bands: dict[str, set[int]],
+        nvfp4_bands: Mapping[str, Mapping[int, tuple[int, int]]],
         *,
         stack: str,
     ) -> InGraphLayout:
@@ -268,6 +299,26 @@ class InGraphLayout:
                     Served("banded", _width(shapes.get(theta_key(stack, i, family, "U"))), b)
                     for i, b in enumerate(band_of)
                 )
+        nvfp4_shapes: dict[str, tuple[int, int]] = {}
+        for family, by_band in nvfp4_bands.items():
+            if family not in families or family in served:
+                raise ValueError(
+                    f"{family}: an NVFP4 W0 for a family that is "
+                    f"{'not a projection family' if family not in families else 'in a W0V'}"
+                )
+            if set(by_band) != set(range(len(by_band))) or len(by_band) > num_layers:
+                raise ValueError(
+                    f"{family}: NVFP4 W0 bands {sorted(by_band)} are not 0..G-1 with G <= "
+                    f"{num_layers}"
+                )
+            if len(set(by_band.values())) != 1:
+                raise ValueError(f"{family}: NVFP4 W0 bands of different shapes {dict(by_band)}")
+            nvfp4_shapes[family] = by_band[0]
+            counts[family] = len(by_band)
+            served[family] = tuple(
+                Served("nvfp4", _width(shapes.get(theta_key(stack, i, family, "U"))), b)
+                for i, b in enumerate(band_of_layers(num_layers, len(by_band)))
+            )
         stacked: dict[str, tuple[int, ...]] = {}
         for group in FUSED_GROUPS:
             layers = tuple(
@@ -296,7 +347,11 @@ class InGraphLayout:
             ranks={f: max(s.rank for s in how) for f, how in served.items()},
             served=served,
             stacked=stacked,
+            nvfp4_shapes=nvfp4_shapes,
         )
+
+
+_PACKED = re.compile(r"^attnquant\.shared\.(?P<family>.+)\.(?P<band>\d+)\.W0_packed$")
 
 
 def _width(shape: Sequence[int] | None) -> int:

@@ -20,6 +20,11 @@ Every form of the identity (DESIGN §1) runs in the graph holding only its store
 ``zero``
     A low-rank layer of rank 0 (``W = 0``): ``y = 0``, nothing held (a family whose every
     layer has rank 0 is served dense, so that it is seen in the state at all).
+``nvfp4``
+    Banded with its ``W0`` stored in NVFP4 (format version 4): ``y = s * (x W0^T) + (x V) U^T``
+    with the band's packed ``W0`` held once as stored (``W0_packed``, ``W0_scale``,
+    ``W0_scale_2``) and decoded in the graph (:class:`attnquant_max._nvfp4_layers.NVFP4Linear`:
+    one fused ``generated_linear_nvfp4`` dispatch, or dequantized then a matmul).
 
 Banded families are served banded as they are stored (passthrough holds ``W0 = W`` plus a scale
 per row, the production shape of the in-graph paths).
@@ -45,7 +50,15 @@ __all__ = [
 ]
 
 #: Every way one layer of a family is served on the GEMM path.
-KINDS: tuple[str, ...] = ("banded", "dense", "lowrank", "basis_in", "basis_out", "zero")
+KINDS: tuple[str, ...] = (
+    "banded",
+    "dense",
+    "lowrank",
+    "basis_in",
+    "basis_out",
+    "zero",
+    "nvfp4",
+)
 #: The kinds held without ``W0`` (the forms of :mod:`attnquant_core.forms` other than banded).
 FACTORED_KINDS: tuple[str, ...] = ("dense", "lowrank", "basis_in", "basis_out", "zero")
 #: The kinds whose first matmul reads a per-layer tensor (``W``, ``V_l``): several of them in
@@ -81,9 +94,8 @@ def served_layers(fam: Any) -> tuple[Served, ...]:
     """
     form = fam.form
     if form == "banded":
-        return tuple(
-            Served("banded", t.rank, b) for t, b in zip(fam.layers, fam.bands, strict=True)
-        )
+        kind = "nvfp4" if getattr(fam, "quant", None) == "nvfp4" else "banded"
+        return tuple(Served(kind, t.rank, b) for t, b in zip(fam.layers, fam.bands, strict=True))
     out_dim, in_dim = fam.shape
     dense = out_dim * in_dim
     if form == "lowrank":

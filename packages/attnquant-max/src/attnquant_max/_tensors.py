@@ -5,12 +5,13 @@ Names and shapes are those of :mod:`attnquant_max._layout`'s docstring.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from attnquant_core import FamilyTheta, LayerTheta, basis_key, shared_key, theta_key
+from attnquant_core.io import nvfp4_key
 
 from ._served import (
     FUSED_GROUPS,
@@ -23,7 +24,44 @@ from ._served import (
     stacked_input_key,
 )
 
-__all__ = ["banded_groups", "ingraph_tensors", "stacked_layers", "uniform_ranks"]
+__all__ = [
+    "banded_groups",
+    "ingraph_tensors",
+    "is_nvfp4_family",
+    "nvfp4_tensors",
+    "stacked_layers",
+    "uniform_ranks",
+]
+
+
+def is_nvfp4_family(fam: Any) -> bool:
+    """Whether ``fam`` is banded with its ``W0`` stored in NVFP4 (served packed, not in ``W0V``)."""
+    return getattr(fam, "form", None) == "banded" and getattr(fam, "quant", None) == "nvfp4"
+
+
+def nvfp4_tensors(
+    name: str,
+    *,
+    projection: str | None = None,
+    stack: str,
+    bands: Iterable[Any],
+    layers: Iterable[tuple[int, LayerTheta]],
+    cast: Callable[[np.ndarray], np.ndarray],
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors of a family whose ``W0`` is NVFP4, as stored: per band (an
+    :class:`attnquant_core.NVFP4Tensor` each, in band order) ``W0_packed`` uint8 ``[out, in/2]``,
+    ``W0_scale`` (the E4M3 bytes as uint8 ``[out, in/16]``) and ``W0_scale_2`` float32 ``[1]``;
+    per layer ``theta_s`` and, where ``r > 0``, ``theta_U``, ``theta_V`` (through ``cast``),
+    under ``projection`` (default: ``name``)."""
+    projection = name if projection is None else projection
+    for band, q in enumerate(bands):
+        yield nvfp4_key(name, band, "packed"), np.ascontiguousarray(q.weight)
+        yield nvfp4_key(name, band, "scale"), np.ascontiguousarray(q.weight_scale.view(np.uint8))
+        yield nvfp4_key(name, band, "scale_2"), np.asarray(q.weight_scale_2, np.float32).reshape(1)
+    for layer, t in layers:
+        parts = {"s": t.s, "U": t.U, "V": t.V} if t.rank else {"s": t.s}
+        for part, array in parts.items():
+            yield theta_key(stack, layer, projection, part), cast(array)
 
 
 def banded_groups(families: Mapping[str, Any], *, fuse: bool) -> dict[str, tuple[str, ...]]:
@@ -92,8 +130,9 @@ def ingraph_tensors(
     stack : str
         Key prefix of the decoder layers, such as ``"model.layers"``.
     gemm : bool
-        ``True``: GEMM band weights ``W0V`` and the other forms' factors; ``False``: in-graph
-        precompute (``W0`` per band, ``V`` per layer).
+        ``True``: GEMM band weights ``W0V`` and the other forms' factors, and the packed ``W0``
+        of banded families stored in NVFP4 (:func:`nvfp4_tensors`; their q/k/v or gate/up
+        groups are not fused); ``False``: in-graph precompute (``W0`` per band, ``V`` per layer).
     fuse : bool
         GEMM path: one band weight for q/k/v and one for gate/up, or one stacked first
         matmul per layer for other forms (see the module docstring).
@@ -165,6 +204,16 @@ def _stage1_rows(fam: Any, layer: int, how: Served) -> np.ndarray:
 def _gemm_tensors(
     families: Mapping[str, Any], *, stack: str, fuse: bool, cast: Any
 ) -> Iterator[tuple[str, np.ndarray]]:
+    quantized = {n: f for n, f in families.items() if is_nvfp4_family(f)}
+    for name, fam in quantized.items():  # packed as stored; their groups run per member
+        yield from nvfp4_tensors(
+            name,
+            stack=stack,
+            bands=fam.nvfp4,
+            layers=enumerate(fam.layers),
+            cast=lambda a, name=name: cast(name, a),
+        )
+    families = {n: f for n, f in families.items() if n not in quantized}
     groups = banded_groups(families, fuse=fuse)
     for group, members in groups.items():
         fams = [families[m] for m in members]

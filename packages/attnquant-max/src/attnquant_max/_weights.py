@@ -43,7 +43,6 @@ from attnquant_core import (
     open_checkpoint,
     parse_projection_key,
     rebuild_dense_state,
-    theta_key,
 )
 from attnquant_core.io import nvfp4_key
 
@@ -56,7 +55,7 @@ from ._config import (
     serving_path,
 )
 from ._layout import InGraphLayout, ingraph_tensors
-from ._nvfp4_theta import NVFP4ThetaLayout
+from ._tensors import nvfp4_tensors
 
 __all__ = [
     "ServingPlan",
@@ -143,12 +142,12 @@ class ServingPlan:
         when the families do not share one banded ``G``.
     reason : str or None
         Why the path was chosen, when not from ``ATTNQUANT_*`` and the accelerator alone.
-    nvfp4_w0 : bool
-        A theta checkpoint whose every ``W0`` is stored in NVFP4 (format version 4), served in
-        the graph as stored: the packed ``W0`` once per band, ``s``, ``U``, ``V`` per layer
-        (:meth:`nvfp4_theta_state`; ``path`` is ``"gemm"``). Such a checkpoint on the
-        precompute-outside path without ``ATTNQUANT_QUANT`` is rebuilt dense instead
-        (``nvfp4_w0`` is ``False`` then).
+    nvfp4_families : tuple of str
+        The families of a theta checkpoint banded with a ``W0`` stored in NVFP4 (format version
+        4), served in the graph as stored: the packed ``W0`` once per band, ``s``, ``U``, ``V``
+        per layer, every other family as the GEMM path serves its form (:meth:`theta_state`;
+        ``path`` is ``"gemm"``). Empty when there is none, and for such a checkpoint on the
+        precompute-outside path without ``ATTNQUANT_QUANT`` (rebuilt dense instead).
     """
 
     model_path: Path
@@ -160,8 +159,13 @@ class ServingPlan:
     accelerator_api: str | None = None
     forms: dict[str, str] = field(default_factory=dict)
     reason: str | None = None
-    nvfp4_w0: bool = False
+    nvfp4_families: tuple[str, ...] = ()
     config: AttnquantConfig = field(repr=False)
+
+    @property
+    def nvfp4_w0(self) -> bool:
+        """Whether some family's NVFP4 ``W0`` is served packed in the graph (:attr:`nvfp4_families`)."""
+        return bool(self.nvfp4_families)
 
     @property
     def rebuilds(self) -> bool:
@@ -215,13 +219,7 @@ class ServingPlan:
             g = f"{self.blocks} (forms: " + ", ".join(f"{n} {f}" for f, n in counts.items()) + ")"
         how = "theta keys" if self.source == "theta" else "decomposition at load"
         if self.nvfp4_w0:
-            return (
-                f"attnquant: serving {where} in the graph with its NVFP4 W0 held packed as "
-                f"stored (E2M1 codes, E4M3 scale per 16 inputs, FP32 per-tensor scale; one copy "
-                f"per band, 4.5 bits per weight; not dequantized at load) and s, U, V per "
-                f"layer: {_NVFP4_THETA_KERNEL[self.config.nvfp4_kernel]}; G={g}, "
-                f"r={self.rank}, L={self.num_layers}; chosen by {self._why()}"
-            )
+            return self._describe_nvfp4(where, g)
         if self.in_graph:
             if self.path == "custom-op":
                 fused = (
@@ -250,6 +248,32 @@ class ServingPlan:
             line += "; " + NVFP4_EMULATED
         return line
 
+    def _describe_nvfp4(self, where: str, g: str) -> str:
+        """:meth:`describe` of a checkpoint with NVFP4-``W0`` families: what each form runs as."""
+        nvfp4 = self.nvfp4_families
+        line = (
+            f"attnquant: serving {where} in the graph holding its stored bytes: "
+            f"{len(nvfp4)} famil{'y' if len(nvfp4) == 1 else 'ies'} ({', '.join(nvfp4)}) banded "
+            f"with an NVFP4 W0 held packed as stored (E2M1 codes, E4M3 scale per 16 inputs, "
+            f"FP32 per-tensor scale; one copy per band, 4.5 bits per weight; not dequantized at "
+            f"load) with s, U, V per layer: {_NVFP4_THETA_KERNEL[self.config.nvfp4_kernel]}"
+        )
+        other = {n: f for n, f in self.forms.items() if n not in nvfp4}
+        if other:
+            counts = Counter("banded (float W0)" if f == "banded" else f for f in other.values())
+            fuse = (
+                "q/k/v and gate/up fused where the forms allow, per member in a group with an "
+                "NVFP4 member"
+                if self.config.qkv_fuse
+                else "separate (ATTNQUANT_QKV_FUSE=0)"
+            )
+            line += (
+                "; "
+                + ", ".join(f"{n} {f}" for f, n in counts.items())
+                + f" on the GEMM path as stored ({fuse})"
+            )
+        return f"{line}; G={g}, r={self.rank}, L={self.num_layers}; chosen by {self._why()}"
+
     def theta_state(self) -> Iterator[tuple[str, np.ndarray]]:
         """In-graph paths: every tensor the theta model reads (original names, source dtype).
 
@@ -259,7 +283,15 @@ class ServingPlan:
         the layer's dense weight rebuilt once) on the GEMM path, ``W0`` and ``theta_V`` on
         the in-graph precompute path. A dense checkpoint is decomposed here, with
         ``G``, ``r`` of the plan (passthrough: ``W0 = W``, ``s = 1``, no correction).
-        Every family is held in memory at once (q/k/v share band weights).
+        Every float family is held in memory at once (q/k/v share band weights); the families
+        of :attr:`nvfp4_families` are read one band and one layer at a time and handed on as
+        stored (:func:`attnquant_max._tensors.nvfp4_tensors`): nothing is dequantized.
+
+        Raises
+        ------
+        attnquant_core.CheckpointError
+            An NVFP4 block scale byte is NaN (0x7F/0xFF) or a per-tensor scale is not finite
+            and positive; the message names the key.
         """
         families: dict[str, Any] = {}
         dtypes: dict[str, np.dtype] = {}
@@ -269,8 +301,21 @@ class ServingPlan:
                 yield key, ckpt.tensors.get(key)
             stack = ckpt.stack
             for name, fam in ckpt.families.items():
+                dtype = dtype_from_name(fam.get("source_dtype", fam["dtype"]))
+                if name in self.nvfp4_families:
+                    yield from nvfp4_tensors(
+                        name,
+                        projection=ckpt.projection_of(name),
+                        stack=stack,
+                        bands=self._checked_nvfp4(ckpt, name),
+                        layers=((i, ckpt.layer(name, i)) for i in ckpt.layers_of(name)),
+                        cast=lambda a, dtype=dtype: np.ascontiguousarray(
+                            a.astype(dtype, copy=False)
+                        ),
+                    )
+                    continue
                 families[name] = ckpt.family_theta(name)
-                dtypes[name] = dtype_from_name(fam.get("source_dtype", fam["dtype"]))
+                dtypes[name] = dtype
         else:
             dense = open_checkpoint(self.model_path)
             projection_keys = dense.projection_keys()
@@ -298,50 +343,24 @@ class ServingPlan:
             dtype=dtypes,
         )
 
-    def nvfp4_theta_state(self) -> Iterator[tuple[str, np.ndarray]]:
-        """:attr:`nvfp4_w0`: every tensor the in-graph NVFP4 theta model reads, as stored.
-
-        The checkpoint's other tensors, then per family the three NVFP4 tensors of each band
-        (``W0_packed``, ``W0_scale`` as uint8 bytes, ``W0_scale_2`` as float32 ``[1]``) and each
-        layer's ``theta_s`` (``theta_U``, ``theta_V`` where ``r > 0``) in the family's source
-        dtype, under the checkpoint's names (:mod:`attnquant_max._nvfp4_theta`). Nothing is
-        dequantized: the bytes are the checkpoint's.
-
-        Raises
-        ------
-        attnquant_core.CheckpointError
-            A block scale byte is NaN (0x7F/0xFF) or a per-tensor scale is not finite and
-            positive; the message names the key.
-        """
-        ckpt = ThetaCheckpoint.open(self.model_path, blocks=self.config.blocks)
-        for key in ckpt.copied_keys():
-            yield key, ckpt.tensors.get(key)
-        for name, fam in ckpt.families.items():
-            dtype = dtype_from_name(fam.get("source_dtype", fam["dtype"]))
-            for band in range(max(fam["bands"]) + 1):
-                q = ckpt.nvfp4(name, band)
-                scale = q.weight_scale.view(np.uint8)
-                scale_2 = np.asarray(q.weight_scale_2, np.float32).reshape(1)
-                if ((scale & 0x7F) == 0x7F).any():
-                    raise CheckpointError(
-                        f"{self.model_path}: {nvfp4_key(name, band, 'scale')} holds NaN block "
-                        "scales (bytes 0x7F/0xFF)"
-                    )
-                if not (np.isfinite(scale_2).all() and scale_2[0] > 0):
-                    raise CheckpointError(
-                        f"{self.model_path}: {nvfp4_key(name, band, 'scale_2')} is {scale_2[0]}, "
-                        "not a finite positive scale"
-                    )
-                yield nvfp4_key(name, band, "packed"), np.ascontiguousarray(q.weight)
-                yield nvfp4_key(name, band, "scale"), np.ascontiguousarray(scale)
-                yield nvfp4_key(name, band, "scale_2"), scale_2
-            projection = ckpt.projection_of(name)
-            for i in ckpt.layers_of(name):
-                t = ckpt.layer(name, i)
-                parts = {"s": t.s, "U": t.U, "V": t.V} if t.rank else {"s": t.s}
-                for part, array in parts.items():
-                    key = theta_key(ckpt.stack, i, projection, part)
-                    yield key, np.ascontiguousarray(array.astype(dtype, copy=False))
+    def _checked_nvfp4(self, ckpt: ThetaCheckpoint, name: str) -> Iterator[Any]:
+        """The stored NVFP4 ``W0`` of each band of ``name``, its scales checked (see
+        :meth:`theta_state`)."""
+        for band in range(max(ckpt.families[name]["bands"]) + 1):
+            q = ckpt.nvfp4(name, band)
+            scale = q.weight_scale.view(np.uint8)
+            scale_2 = np.asarray(q.weight_scale_2, np.float32).reshape(1)
+            if ((scale & 0x7F) == 0x7F).any():
+                raise CheckpointError(
+                    f"{self.model_path}: {nvfp4_key(name, band, 'scale')} holds NaN block "
+                    "scales (bytes 0x7F/0xFF)"
+                )
+            if not (np.isfinite(scale_2).all() and scale_2[0] > 0):
+                raise CheckpointError(
+                    f"{self.model_path}: {nvfp4_key(name, band, 'scale_2')} is {scale_2[0]}, "
+                    "not a finite positive scale"
+                )
+            yield q
 
     def quantized_state(self) -> Iterator[tuple[str, np.ndarray]]:
         """:meth:`state` with every projection ``W_eff`` quantized to NVFP4 (see below).
@@ -492,8 +511,10 @@ def _plan_nvfp4_w0(path: Path, config: AttnquantConfig, nvfp4: list[str]) -> Ser
     ``ATTNQUANT_QUANT=nvfp4`` asks for a 4-bit model, which the checkpoint already is: it is
     served as stored, so the correction ``U V^T`` fitted to the quantization error keeps its
     effect, rather than ``W_eff = s Q(W0) + U V^T`` being quantized a second time (which would
-    quantize that correction away). Every other combination that would dequantize ``W0``
-    inside an in-graph path is refused in one line naming what to set.
+    quantize that correction away). The checkpoint's other families (any float form, as a
+    ``--budget --quant nvfp4`` fit writes them) are served as the GEMM path serves them, in the
+    same graph: a budget fit is served as it was fitted. Every other combination that would
+    dequantize ``W0`` inside an in-graph path is refused in one line naming what to set.
     """
     families = ", ".join(nvfp4)
     stored = f"{path}: stores W0 in NVFP4 ({families})"
@@ -515,18 +536,6 @@ def _plan_nvfp4_w0(path: Path, config: AttnquantConfig, nvfp4: list[str]) -> Ser
             f"dispatch; dequantize: W0 dequantized in the graph), {rebuild}"
         )
     ckpt = ThetaCheckpoint.open(path, blocks=config.blocks)
-    other = [
-        f"{name} ({fam['form']}{', float W0' if fam['form'] == 'banded' else ''})"
-        for name, fam in ckpt.families.items()
-        if fam.get("quant") != "nvfp4"
-    ]
-    if other:
-        raise NotImplementedError(
-            f"{stored}, but not {', '.join(other)}; the in-graph NVFP4 path serves checkpoints "
-            "whose every family is banded with an NVFP4 W0. Serve it with "
-            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 and ATTNQUANT_QUANT unset (the defaults), which "
-            "rebuild every family once at load"
-        )
     grouped = [n for n, f in ckpt.families.items() if "layers" in f]
     if grouped:
         raise NotImplementedError(
@@ -538,7 +547,7 @@ def _plan_nvfp4_w0(path: Path, config: AttnquantConfig, nvfp4: list[str]) -> Ser
     if config.precompute_outside:
         reason = (
             f"ATTNQUANT_QUANT={config.quant} on a checkpoint whose W0 is already NVFP4: served "
-            "as stored, not quantized twice"
+            "as stored, not quantized twice (its float families as stored too)"
         )
     else:
         gemm = "ATTNQUANT_GEMM=1" if config.gemm else "ATTNQUANT_GEMM unset"
@@ -555,7 +564,7 @@ def _plan_nvfp4_w0(path: Path, config: AttnquantConfig, nvfp4: list[str]) -> Ser
         path="gemm",
         forms=ckpt.forms,
         reason=reason,
-        nvfp4_w0=True,
+        nvfp4_families=tuple(nvfp4),
         config=config,
     )
 
@@ -892,7 +901,7 @@ def rebuilt_weights(
                 "graph for LlamaForCausalLM only; unset ATTNQUANT_QUANT and set "
                 "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the defaults) to rebuild W_eff once at load"
             )
-        return {key: ArrayWeights(key, array) for key, array in plan.nvfp4_theta_state()}, plan
+        return {key: ArrayWeights(key, array) for key, array in plan.theta_state()}, plan
     if plan.quantized:
         if not in_graph:
             raise NotImplementedError(
@@ -970,13 +979,7 @@ class ThetaWeightAdapter:
         expected = set(self.expected(huggingface_config, out))
         theta: set[str] = set()
         shapes = {k: [int(d) for d in v.shape] for k, v in out.items()}
-        if plan.nvfp4_w0:
-            nvfp4 = NVFP4ThetaLayout.from_state(shapes, FAMILIES)
-            if nvfp4 is None:
-                raise WeightKeyError(f"{plan.model_path}: the NVFP4 theta state holds no W0")
-            theta = nvfp4.keys()
-            expected = {k for k in expected if not k.endswith(_PROJECTION_WEIGHTS)}
-        elif plan.in_graph:
+        if plan.in_graph:
             layout = InGraphLayout.from_state(shapes, FAMILIES, fuse=plan.config.qkv_fuse)
             if layout is None and plan.path != "gemm":
                 raise WeightKeyError(f"{plan.model_path}: the in-graph state holds no theta tensor")
