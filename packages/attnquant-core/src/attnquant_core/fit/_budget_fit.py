@@ -93,6 +93,7 @@ def fit_family(
         for layer in range(L):
             W = read(layer)
             r = choice.ranks[layer]
+            w = None  # the last layer's factor goes before this one's is made
             w = white(layer)
             if r and w is not None:  # the SVD of c W S, cut where the spectra were taken
                 M, scale = scaled_whitening(W, w)
@@ -126,6 +127,7 @@ def fit_family(
                 del q
             for layer in layers:
                 W = read(layer)
+                w = None  # the last layer's factor goes before this one's is made
                 w = white(layer)
                 fit_args = dict(
                     dtype=store,

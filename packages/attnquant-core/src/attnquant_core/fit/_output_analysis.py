@@ -125,6 +125,7 @@ def decompose_family_whitened(
         W0 = band_mean(weights[start : start + size], dtype)
         shared.append(W0)
         for layer in range(start, start + size):
+            w = None  # the last layer's factor goes before this one's is made
             w = white(layer)
             args = dict(dtype=dtype, svd=svd, seed=(b, layer))
             if w is None:

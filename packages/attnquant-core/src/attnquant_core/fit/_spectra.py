@@ -414,6 +414,7 @@ def _spectra(
                 layers = [i for i in range(L) if bands[i] == b]
                 W0 = _band_mean(src.get, layers, src.shape, src.dtype, src.store)
                 for layer in layers:
+                    white = None  # the last layer's factor goes before this one's is made
                     white = src.white(layer) if src.white is not None else None
                     if white is None:
                         _, R = residual(src.get(layer), W0, src.store)

@@ -93,6 +93,7 @@ def _nvfp4_candidates(
             layers = [i for i in range(L) if bands[i] == b]
             _, W0 = nvfp4_band(src.get, layers, src.shape, src.dtype, name, b)
             for layer in layers:
+                white = None  # the last layer's factor goes before this one's is made
                 white = src.white(layer) if src.white is not None else None
                 if white is None:
                     _, R = residual(src.get(layer), W0, src.store)

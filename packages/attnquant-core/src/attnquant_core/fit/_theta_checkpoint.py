@@ -207,7 +207,8 @@ def decompose_checkpoint(
                                 W, W0, rank, w, dtype=store[name], svd=svd, seed=(b, layer)
                             )
                             out_errors.append(out_error)
-                        del W
+                        # Drop this layer's factor (8 n^2 bytes) before the next one is made.
+                        del W, w
                         for part in ("s", "U", "V"):
                             writer.write(
                                 theta_key(info.stack, info.layers[layer], info.family, part),
