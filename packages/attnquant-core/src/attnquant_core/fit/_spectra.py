@@ -266,44 +266,6 @@ def _band_basis(
     return np.maximum(evals, 0.0), basis
 
 
-def band_residual_gains(
-    src: _Source,
-    G: int,
-    band_W0: Callable[[int, list[int]], np.ndarray],
-    cap: int,
-    svd: SVDOptions,
-    *,
-    seed: Callable[[int, int], Sequence[int]],
-    on_layer: Callable[[], None] | None = None,
-) -> tuple[list[np.ndarray], float]:
-    """A banded candidate's error curve at ``G`` bands: per layer, the rank gains of its residual
-    ``W - diag(s) W0`` against its band's ``W0 = band_W0(band, layers)`` (whitened where the
-    source has statistics), and the total squared residual (the error at rank 0).
-
-    Shared by the float banded form (``W0`` the band mean) and the NVFP4 one (its 4-bit round
-    trip); ``seed(band, layer)`` seeds each layer's sketch.
-    """
-    bands = band_of_layers(src.num_layers, G)
-    gains: list[np.ndarray] = []
-    base = 0.0
-    for b in range(G):
-        layers = [i for i in range(src.num_layers) if bands[i] == b]
-        W0 = band_W0(b, layers)
-        for layer in layers:
-            white = None  # the last layer's factor goes before this one's is made
-            white = src.white(layer) if src.white is not None else None
-            if white is None:
-                _, R = residual(src.get(layer), W0, src.store)
-            else:
-                R = whitened_residual(src.get(layer), W0, white, src.store)
-            base += float(np.sum(np.square(R, dtype=np.float64)))
-            gains.append(_matrix_gains(R, cap, svd, seed(b, layer)))
-            del R
-            if on_layer is not None:
-                on_layer()
-    return gains, base
-
-
 def _band_mean(
     get: Getter, layers: Sequence[int], shape: tuple[int, int], src, store
 ) -> np.ndarray:
@@ -445,14 +407,22 @@ def _spectra(
                 )
     if "banded" in forms:
         for G in _blocks_set(banded_blocks, (1, 2, 4, L // 2), L):
-            gains_b, base = band_residual_gains(
-                src,
-                G,
-                lambda b, layers: _band_mean(src.get, layers, src.shape, src.dtype, src.store),
-                layer_cap,
-                svd,
-                seed=lambda b, layer, G=G: (G, b, layer),
-            )
+            bands = band_of_layers(L, G)
+            gains_b: list[np.ndarray] = []
+            base = 0.0
+            for b in range(G):
+                layers = [i for i in range(L) if bands[i] == b]
+                W0 = _band_mean(src.get, layers, src.shape, src.dtype, src.store)
+                for layer in layers:
+                    white = None  # the last layer's factor goes before this one's is made
+                    white = src.white(layer) if src.white is not None else None
+                    if white is None:
+                        _, R = residual(src.get(layer), W0, src.store)
+                    else:
+                        R = whitened_residual(src.get(layer), W0, white, src.store)
+                    base += float(np.sum(np.square(R, dtype=np.float64)))
+                    gains_b.append(_matrix_gains(R, layer_cap, svd, (G, b, layer)))
+                    del R
             candidates.append(
                 Candidate(
                     family=name,
