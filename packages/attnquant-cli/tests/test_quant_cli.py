@@ -70,6 +70,32 @@ def test_quant_with_blocks_and_calibration(src, tmp_path, capsys):
     ckpt = ThetaCheckpoint.open(out)
     assert ckpt.blocks == 1 and ckpt.quant("mlp.up_proj") == "nvfp4"
     assert "calibration" in ckpt.manifest
+    # the statistics cover every band: its codes are GPTQ's, and the manifest says so
+    assert all(f["rounding"] == "gptq" for f in ckpt.manifest["families"].values())
+
+
+def test_rounding_nearest_keeps_the_reference_nvfp4_with_statistics(src, tmp_path, capsys):
+    from attnquant_core.calib import write_stats
+
+    dense = open_checkpoint(src)
+    rng = np.random.default_rng(1)
+    grams = {}
+    for info in dense.families.values():
+        mix = rng.standard_normal((info.shape[1], info.shape[1]))
+        for key in info.keys:
+            X = mix @ rng.standard_normal((info.shape[1], 64))
+            grams[key] = X @ X.T
+    stats = write_stats(tmp_path / "s.safetensors", grams, tokens=64)
+    argv = ["decompose", str(src), "--quant", "nvfp4", "--rank", "0", "--calibration", str(stats)]
+    assert cli([*argv, "-o", str(tmp_path / "n"), "--rounding", "nearest"]) == 0
+    assert cli([*argv, "-o", str(tmp_path / "g")]) == 0
+    near, gptq = ThetaCheckpoint.open(tmp_path / "n"), ThetaCheckpoint.open(tmp_path / "g")
+    assert not any("rounding" in f for f in near.manifest["families"].values())
+    info = dense.families["mlp.down_proj"]
+    for layer, key in enumerate(info.keys):
+        ref = dequantize_nvfp4(quantize_nvfp4(dense.get(key)))
+        assert np.array_equal(near.shared("mlp.down_proj", layer), ref)
+        assert not np.array_equal(gptq.shared("mlp.down_proj", layer), ref)
 
 
 @pytest.mark.parametrize(
@@ -77,6 +103,7 @@ def test_quant_with_blocks_and_calibration(src, tmp_path, capsys):
     [
         (["--quant", "int4"], "--quant 'int4': choose one of nvfp4"),
         (["--quant", "nvfp4", "--calibration-data", "x.txt"], "--quant with --calibration-data"),
+        (["--quant", "nvfp4", "--rounding", "up"], "--rounding 'up': choose one of gptq, nearest"),
     ],
 )
 def test_quant_refusals_are_one_line_and_write_nothing(src, tmp_path, capsys, extra, message):

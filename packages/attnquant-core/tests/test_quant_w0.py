@@ -232,7 +232,10 @@ def test_decompose_checkpoint_with_statistics_fits_the_whitened_residual(ckpt16,
     stats = write_stats(tmp_path / "stats.safetensors", grams, tokens=256)
     kw = {"blocks": "layers", "rank": 4, "quant": "nvfp4"}
     decompose_checkpoint(ckpt16, tmp_path / "plain", **kw)
-    white = decompose_checkpoint(ckpt16, tmp_path / "white", calibration=stats, **kw)
+    # Rounded to nearest as without statistics (GPTQ's rounding: test_gptq.py).
+    white = decompose_checkpoint(
+        ckpt16, tmp_path / "white", calibration=stats, rounding="nearest", **kw
+    )
     assert white["format_version"] == 4 and "calibration" in white
     p, w = ThetaCheckpoint.open(tmp_path / "plain"), ThetaCheckpoint.open(tmp_path / "white")
     for name, info in dense.families.items():

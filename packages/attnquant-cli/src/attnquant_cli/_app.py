@@ -198,12 +198,20 @@ def decompose(
             "each family may take it where it lowers the error, and the budget counts bytes."
         ),
     ] = None,
+    rounding: Annotated[
+        str,
+        typer.Option(
+            help="With --quant and --calibration: how each 4-bit W0 is rounded where the "
+            "statistics cover its band: 'gptq' (GPTQ's error-compensated rounding for the "
+            "band's inputs) or 'nearest' (round to nearest, as without statistics)."
+        ),
+    ] = "gptq",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
     json_summary: JsonFlag = False,
 ) -> None:
     """Decompose every projection family of CKPT into a theta checkpoint."""
     src = demo_model_path() if str(ckpt) == "demo" else ckpt
-    _check_quant_options(quant, calibration_data=calibration_data)
+    _check_quant_options(quant, calibration_data=calibration_data, rounding=rounding)
     check_calibration_options(
         calibration=calibration,
         calibration_data=calibration_data,
@@ -252,6 +260,7 @@ def decompose(
             quiet=json_summary,
             calibration=calibration,
             quant=quant,
+            rounding=rounding,
         )
         _print_json_summary(output, json_summary)
         return
@@ -291,8 +300,14 @@ def decompose(
     _print_json_summary(output, json_summary)
 
 
-def _check_quant_options(quant: str | None, *, calibration_data: list[Path] | None) -> None:
+def _check_quant_options(
+    quant: str | None, *, calibration_data: list[Path] | None, rounding: str = "gptq"
+) -> None:
     """Refuse, in one line and before anything is written, a ``--quant`` that cannot be done."""
+    from attnquant_core.fit import ROUNDINGS
+
+    if rounding not in ROUNDINGS:
+        raise DecompositionError(f"--rounding {rounding!r}: choose one of {', '.join(ROUNDINGS)}")
     if quant is None:
         return
     from attnquant_core import QUANTS
@@ -357,6 +372,7 @@ def _decompose(
     aligned_from: Path | None = None,
     calibration: Path | None = None,
     quant: str | None = None,
+    rounding: str = "gptq",
 ) -> None:
     """Fit to ``budget``, or band every family with ``blocks``/``rank``; print the summary
     table on stdout (on stderr when ``quiet``: ``--json`` keeps stdout for the JSON).
@@ -371,6 +387,7 @@ def _decompose(
             aligned_from=aligned_from,
             calibration=calibration,
             quant=quant,
+            rounding=rounding,
         )
         _say_calibrated(output)
         return
@@ -386,6 +403,7 @@ def _decompose(
             aligned_from=aligned_from,
             calibration=calibration,
             quant=quant,
+            rounding=rounding,
         )
     what = f"G={manifest['blocks']}, r={manifest['rank']}" + (f", W0 {quant}" if quant else "")
     table = Table(title=f"{output}  ({what})")
@@ -461,6 +479,7 @@ def _decompose_budget(
     aligned_from: Path | None = None,
     calibration: Path | None = None,
     quant: str | None = None,
+    rounding: str = "gptq",
 ) -> None:
     """``decompose --budget``: fit, then say per family what was chosen and why."""
     from attnquant_core import decompose_budget
@@ -475,6 +494,7 @@ def _decompose_budget(
             aligned_from=aligned_from,
             calibration=calibration,
             quant=quant,
+            rounding=rounding,
         )
     what = "auto form" if quant is None else f"auto form, bytes, W0 {quant} allowed"
     table = budget_table(report, title=f"{output}  (budget {budget:g}, {what})")

@@ -82,6 +82,7 @@ from .fit import (
     decompose_family,
     fit_budget,
     fit_layer,
+    gptq_nvfp4,
     load_align_transforms,
     randomized_svd,
     rebuild_dense_state,
@@ -169,6 +170,7 @@ __all__ = [
     "dequantize_nvfp4",
     "nvfp4_error_bound",
     "quantize_nvfp4",
+    "gptq_nvfp4",
     # decomposition
     "FamilyErrors",
     "LayerFit",

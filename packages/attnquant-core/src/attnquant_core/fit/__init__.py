@@ -1,6 +1,7 @@
 """Fitting theta bundles to weights: SVD, per-layer fits, the global budget, alignment, analysis.
 
 * :func:`truncated_svd` (randomized range finder, exact for small matrices);
+* :func:`gptq_nvfp4`: a 4-bit ``W0`` rounded for the output error (GPTQ) where statistics exist;
 * :func:`fit_layer` and :func:`decompose_family` (banded fits of one family in memory),
   :func:`decompose_checkpoint` (a whole checkpoint, streamed, written as a theta checkpoint);
 * the global budget: :func:`fit_budget`, :func:`decompose_budget`, :func:`budget_frontier`;
@@ -36,6 +37,7 @@ from ._decompose import (
     row_scale,
 )
 from ._frontier import FrontierPoint, budget_frontier
+from ._gptq import ROUNDINGS, check_rounding, gptq_nvfp4
 from ._output_analysis import OUTPUT_ERROR_DEFINITION, coverage_record
 from ._spectra import BUDGET_EXACT_MAX_DIM, DEFAULT_FORMS
 from ._svd import EXACT_MAX_DIM, LowRank, randomized_svd, truncated_svd
@@ -54,6 +56,10 @@ __all__ = [
     "decompose_family",
     "fit_layer",
     "row_scale",
+    # a 4-bit W0 rounded for the output error
+    "ROUNDINGS",
+    "check_rounding",
+    "gptq_nvfp4",
     # whole checkpoints
     "DecomposeProgress",
     "decompose_checkpoint",

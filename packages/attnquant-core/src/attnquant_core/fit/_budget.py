@@ -55,6 +55,7 @@ from ._align_transforms import aligned_record
 from ._allocate import BudgetReport, FamilyChoice, allocate, check_budget
 from ._budget_fit import family_from, fit_family
 from ._decompose import DEFAULT_SVD, DecomposeProgress, SVDOptions, check_family_weights
+from ._gptq import check_rounding, rounding_fields
 from ._spectra import DEFAULT_FORMS, _check_forms, _checkpoint_sources, _Source
 from ._spectra_nvfp4 import budget_spectra
 from ._whitened import Calibration, as_calibration
@@ -177,6 +178,7 @@ def decompose_budget(
     aligned_from: str | Path | None = None,
     calibration: str | Path | CalibrationStats | Calibration | None = None,
     quant: str | None = None,
+    rounding: str = "gptq",
 ) -> BudgetReport:
     """Decompose a checkpoint at a global ``budget`` into a theta checkpoint (format v2) at ``out``.
 
@@ -197,14 +199,17 @@ def decompose_budget(
     ``quant="nvfp4"``: a banded family may store each band's ``W0`` in NVFP4 (format version 4
     when one does), and ``budget`` is then stored bytes over the dense projections' bytes for
     every form (:mod:`attnquant_core.fit._spectra_nvfp4`); each family's entry records
-    ``stored_bytes``, and ``quant`` where its ``W0`` is quantized.
+    ``stored_bytes``, and ``quant`` where its ``W0`` is quantized. ``rounding``: as in
+    :func:`attnquant_core.decompose_checkpoint` (GPTQ for a quantized ``W0`` whose band the
+    statistics cover, both in its spectra and in its fit).
     """
+    check_rounding(rounding)
     cal = as_calibration(calibration)
     budget = check_budget(budget)
     forms = _check_forms(forms)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     aligned = None if aligned_from is None else aligned_record(ckpt)
-    sources = _checkpoint_sources(ckpt, dtype, cal)
+    sources = _checkpoint_sources(ckpt, dtype, cal, rounding)
     spectra = budget_spectra(
         sources,
         quant=quant,
@@ -283,7 +288,11 @@ def decompose_budget(
                         if choice.stored_bytes is None
                         else {"stored_bytes": choice.stored_bytes}
                         if choice.quant is None
-                        else {"quant": choice.quant, "stored_bytes": choice.stored_bytes}
+                        else {
+                            "quant": choice.quant,
+                            "stored_bytes": choice.stored_bytes,
+                            **_gptq_record(choice, info.keys, cal, rounding),
+                        }
                     ),
                     **(
                         {}
@@ -310,3 +319,18 @@ def decompose_budget(
         )
         write_manifest(tmp, manifest)
     return _with_choices(report, choices, manifest=manifest)
+
+
+def _gptq_record(
+    choice: FamilyChoice, keys: Sequence[str], cal: Calibration | None, rounding: str
+) -> dict[str, str]:
+    """A quantized choice's ``"rounding"`` (:func:`~attnquant_core.fit._gptq.rounding_fields`):
+    GPTQ rounded the bands whose every layer the statistics cover."""
+    if cal is None or rounding != "gptq" or choice.blocks is None:
+        return {}
+    bands = band_of_layers(len(keys), choice.blocks)
+    covered = sum(
+        all(keys[i] in cal.stats for i in range(len(keys)) if bands[i] == b)
+        for b in range(choice.blocks)
+    )
+    return rounding_fields(covered, choice.blocks)

@@ -120,7 +120,7 @@ def fit_family(
                 W0 = _band_mean(read, layers, src.shape, src.dtype, store)
                 emit(shared_key(name, b), W0)
             else:
-                q, W0 = nvfp4_band(read, layers, src.shape, src.dtype, name, b)
+                q, W0 = nvfp4_band(read, layers, src, b)
                 parts = (q.weight, q.weight_scale, q.weight_scale_2)
                 for part, array in zip(NVFP4_PARTS, parts, strict=True):
                     emit(nvfp4_key(name, b, part), array)

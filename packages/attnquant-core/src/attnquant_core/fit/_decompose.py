@@ -14,6 +14,7 @@ from ..forms._bands import band_of_layers, band_sizes, resolve_blocks
 from ..forms._identity import compute_dtype
 from ..forms._measure import FamilyErrors
 from ..forms._nvfp4 import BLOCK_SIZE, NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+from ._gptq import gptq_nvfp4
 from ._svd import EXACT_MAX_DIM, truncated_svd
 
 __all__ = [
@@ -183,9 +184,15 @@ def check_quant(name: str, shape: tuple[int, ...], quant: str | None) -> None:
         )
 
 
-def quantized_band(mean: np.ndarray, name: str) -> tuple[NVFP4Tensor, np.ndarray]:
-    """A band's ``W0`` in NVFP4 and its float32 dequantization (what ``s``, ``U``, ``V`` fit)."""
-    q = quantize_nvfp4(mean, name=name)
+def quantized_band(
+    mean: np.ndarray, name: str, gram: np.ndarray | None = None
+) -> tuple[NVFP4Tensor, np.ndarray]:
+    """A band's ``W0`` in NVFP4 and its float32 dequantization (what ``s``, ``U``, ``V`` fit).
+
+    Round to nearest (modelopt's rule) without ``gram``; with the band's damped input gram,
+    GPTQ's error-compensated rounding (:func:`~attnquant_core.fit._gptq.gptq_nvfp4`).
+    """
+    q = quantize_nvfp4(mean, name=name) if gram is None else gptq_nvfp4(mean, gram, name=name)
     return q, dequantize_nvfp4(q)
 
 

@@ -152,6 +152,7 @@ class _Source:
     # Calibration: each layer's input whitening (None: that layer is fit unwhitened); see
     # attnquant_core.fit._whitened. Absent: every fit minimises the weight error.
     white: Callable[[int], Whitening | None] | None = None
+    rounding: str = "gptq"  # a quantized W0's, where ``white`` covers its band (fit._gptq)
 
     def whitened_get(self, layer: int) -> np.ndarray:
         """``c W_l S_l`` (:func:`scaled_whitening`), or ``W_l`` where the layer has none."""
@@ -470,7 +471,10 @@ def _spectra_all(
 
 
 def _checkpoint_sources(
-    ckpt: Checkpoint, dtype: np.dtype | type | None, calibration: Calibration | None = None
+    ckpt: Checkpoint,
+    dtype: np.dtype | type | None,
+    calibration: Calibration | None = None,
+    rounding: str = "gptq",
 ) -> list[_Source]:
     return [
         _Source(
@@ -481,6 +485,7 @@ def _checkpoint_sources(
             np.dtype(dtype) if dtype is not None else info.dtype,
             lambda layer, keys=info.keys: ckpt.get(keys[layer], check_finite=True),
             None if calibration is None else calibration.getter(info.keys, info.shape[1]),
+            rounding,
         )
         for name, info in ckpt.families.items()
     ]

@@ -33,6 +33,7 @@ from ..forms._nvfp4 import NVFP4Tensor
 from ..io._manifest import nvfp4_bytes
 from . import _spectra
 from ._decompose import DecomposeProgress, SVDOptions, check_quant, quantized_band, residual
+from ._gptq import band_gram
 from ._spectra import (
     Candidate,
     Getter,
@@ -54,14 +55,17 @@ NVFP4_SEED = 3_000_017
 
 
 def nvfp4_band(
-    get: Getter, layers: Sequence[int], shape: tuple[int, int], src: np.dtype, name: str, band: int
+    get: Getter, layers: Sequence[int], src: _Source, band: int
 ) -> tuple[NVFP4Tensor, np.ndarray]:
     """A band's ``W0`` in NVFP4 (the float32 band mean, quantized) and its dequantization.
 
-    The spectra and the fit both call this, so both see the same ``Q(W0)``.
+    Rounded by GPTQ against the band's summed grams where statistics cover every layer of it
+    (and ``src.rounding`` is ``"gptq"``), else to nearest. The spectra and the fit both call
+    this, so both see the same ``Q(W0)``.
     """
-    mean = _band_mean(get, layers, shape, src, np.dtype(np.float32))
-    return quantized_band(mean, f"{name} band {band}")
+    mean = _band_mean(get, layers, src.shape, src.dtype, np.dtype(np.float32))
+    gram = band_gram(src.white, layers) if src.rounding == "gptq" else None
+    return quantized_band(mean, f"{src.name} band {band}", gram)
 
 
 def _nvfp4_candidates(
@@ -91,7 +95,7 @@ def _nvfp4_candidates(
         base = 0.0
         for b in range(G):
             layers = [i for i in range(L) if bands[i] == b]
-            _, W0 = nvfp4_band(src.get, layers, src.shape, src.dtype, name, b)
+            _, W0 = nvfp4_band(src.get, layers, src, b)
             for layer in layers:
                 white = None  # the last layer's factor goes before this one's is made
                 white = src.white(layer) if src.white is not None else None

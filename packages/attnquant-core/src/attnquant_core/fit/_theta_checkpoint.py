@@ -53,6 +53,7 @@ from ._decompose import (
     fit_layer,
     quantized_band,
 )
+from ._gptq import band_gram, check_rounding, rounding_fields
 from ._whitened import Calibration, as_calibration, fit_layer_whitened
 
 __all__ = ["decompose_checkpoint", "rebuild_dense_state"]
@@ -73,6 +74,7 @@ def decompose_checkpoint(
     aligned_from: str | Path | None = None,
     calibration: str | Path | CalibrationStats | Calibration | None = None,
     quant: str | None = None,
+    rounding: str = "gptq",
 ) -> dict:
     """Decompose every projection family of a checkpoint into a theta checkpoint at ``out``.
 
@@ -102,8 +104,13 @@ def decompose_checkpoint(
     ``W ~ diag(s) Q(W0) + U V^T``, the low-rank part correcting the quantization error (whitened
     with ``calibration``). With ``budget``, a banded family *may* take an NVFP4 ``W0`` where it
     lowers the total error, and the budget counts stored bytes over dense bytes for every form
-    (:func:`attnquant_core.decompose_budget`).
+    (:func:`attnquant_core.decompose_budget`). ``rounding``: how an NVFP4 ``W0`` is rounded
+    where statistics cover its band: ``"gptq"`` (default; GPTQ's error-compensated rounding for
+    the band's input gram, :func:`~attnquant_core.fit._gptq.gptq_nvfp4`, recorded as the
+    family's ``"rounding"``) or ``"nearest"`` (modelopt's round to nearest, as without
+    statistics).
     """
+    check_rounding(rounding)
     cal = as_calibration(calibration)
     if budget is not None:
         if blocks is not None or rank is not None:
@@ -123,6 +130,7 @@ def decompose_checkpoint(
             aligned_from=aligned_from,
             calibration=cal,
             quant=quant,
+            rounding=rounding,
         )
         assert report.manifest is not None
         return report.manifest
@@ -171,6 +179,7 @@ def decompose_checkpoint(
                 norms: list[float] = []
                 out_errors: list[float | None] = []
                 white = None if cal is None else cal.getter(info.keys, info.shape[1])
+                gptq_bands = 0
                 start = 0
                 for b, size in enumerate(band_sizes(L, G_family)):
                     layers = range(start, start + size)
@@ -188,7 +197,10 @@ def decompose_checkpoint(
                         W0 = acc.astype(store[name])
                         writer.write(shared_key(name, b), W0)
                     else:
-                        q, W0 = quantized_band(acc.astype(np.float32), f"{name} band {b}")
+                        gram = band_gram(white, layers) if rounding == "gptq" else None
+                        gptq_bands += gram is not None
+                        q, W0 = quantized_band(acc.astype(np.float32), f"{name} band {b}", gram)
+                        del gram
                         parts = (q.weight, q.weight_scale, q.weight_scale_2)
                         for part, array in zip(NVFP4_PARTS, parts, strict=True):
                             writer.write(nvfp4_key(name, b, part), array)
@@ -232,6 +244,7 @@ def decompose_checkpoint(
                     norms=norms,
                     **({} if cal is None else {"output_errors": out_errors}),
                     **_quant_fields(quant, info.shape, [rank] * L, bands, store[name]),
+                    **rounding_fields(gptq_bands, max(bands) + 1),
                     **_group_fields(info, model_blocks=G),
                 )
         manifest = theta_manifest(
