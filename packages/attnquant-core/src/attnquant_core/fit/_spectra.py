@@ -18,10 +18,11 @@ from ..forms._bands import band_of_layers, band_sizes
 from ..forms._identity import compute_dtype
 from ..forms._model import FORMS
 from ..io._checkpoint import Checkpoint
-from ._decompose import DecomposeProgress, SVDOptions, residual
+from ._band_gains import band_residual_gains
+from ._decompose import DecomposeProgress, SVDOptions
 from ._svd import truncated_svd
 from ._whiten import Whitening
-from ._whitened import Calibration, scaled_whitening, whitened_residual
+from ._whitened import Calibration, scaled_whitening
 
 __all__ = ["BUDGET_EXACT_MAX_DIM", "DEFAULT_FORMS", "Candidate"]
 
@@ -408,22 +409,16 @@ def _spectra(
                 )
     if "banded" in forms:
         for G in _blocks_set(banded_blocks, (1, 2, 4, L // 2), L):
-            bands = band_of_layers(L, G)
-            gains_b: list[np.ndarray] = []
-            base = 0.0
-            for b in range(G):
-                layers = [i for i in range(L) if bands[i] == b]
-                W0 = _band_mean(src.get, layers, src.shape, src.dtype, src.store)
-                for layer in layers:
-                    white = None  # the last layer's factor goes before this one's is made
-                    white = src.white(layer) if src.white is not None else None
-                    if white is None:
-                        _, R = residual(src.get(layer), W0, src.store)
-                    else:
-                        R = whitened_residual(src.get(layer), W0, white, src.store)
-                    base += float(np.sum(np.square(R, dtype=np.float64)))
-                    gains_b.append(_matrix_gains(R, layer_cap, svd, (G, b, layer)))
-                    del R
+            gains_b, base = band_residual_gains(
+                src.get,
+                src.white,
+                L,
+                src.store,
+                G,
+                lambda b, layers: _band_mean(src.get, layers, src.shape, src.dtype, src.store),
+                lambda R, seed: _matrix_gains(R, layer_cap, svd, seed),
+                seed=lambda b, layer, G=G: (G, b, layer),
+            )
             candidates.append(
                 Candidate(
                     family=name,

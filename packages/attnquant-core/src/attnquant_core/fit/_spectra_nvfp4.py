@@ -28,11 +28,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..forms._bands import band_of_layers
 from ..forms._nvfp4 import NVFP4Tensor
 from ..io._manifest import nvfp4_bytes
 from . import _spectra
-from ._decompose import DecomposeProgress, SVDOptions, check_quant, quantized_band, residual
+from ._band_gains import band_residual_gains
+from ._decompose import DecomposeProgress, SVDOptions, check_quant, quantized_band
 from ._gptq import band_gram
 from ._spectra import (
     Candidate,
@@ -45,7 +45,6 @@ from ._spectra import (
     _Spectra,
     _spectra_all,
 )
-from ._whitened import whitened_residual
 
 __all__ = ["NVFP4_SEED", "budget_spectra", "in_bytes", "nvfp4_band"]
 
@@ -89,28 +88,25 @@ def _nvfp4_candidates(
     )
     Gs = sorted({*_blocks_set(banded_blocks, (1, 2, 4, L // 2), L), L})
     candidates, done = [], 0
+
+    def tick() -> None:
+        nonlocal done
+        if progress is not None:
+            progress(DecomposeProgress(name, done, len(Gs) * L, float("nan"), stage="nvfp4"))
+        done += 1
+
     for G in Gs:
-        bands = band_of_layers(L, G)
-        gains: list[np.ndarray] = []
-        base = 0.0
-        for b in range(G):
-            layers = [i for i in range(L) if bands[i] == b]
-            _, W0 = nvfp4_band(src.get, layers, src, b)
-            for layer in layers:
-                white = None  # the last layer's factor goes before this one's is made
-                white = src.white(layer) if src.white is not None else None
-                if white is None:
-                    _, R = residual(src.get(layer), W0, src.store)
-                else:
-                    R = whitened_residual(src.get(layer), W0, white, src.store)
-                base += float(np.sum(np.square(R, dtype=np.float64)))
-                gains.append(_matrix_gains(R, layer_cap, svd, (NVFP4_SEED, G, b, layer)))
-                del R
-                if progress is not None:
-                    progress(
-                        DecomposeProgress(name, done, len(Gs) * L, float("nan"), stage="nvfp4")
-                    )
-                done += 1
+        gains, base = band_residual_gains(
+            src.get,
+            src.white,
+            L,
+            src.store,
+            G,
+            lambda b, layers: nvfp4_band(src.get, layers, src, b)[1],
+            lambda R, seed: _matrix_gains(R, layer_cap, svd, seed),
+            seed=lambda b, layer, G=G: (NVFP4_SEED, G, b, layer),
+            on_layer=tick,
+        )
         candidates.append(
             Candidate(
                 family=name,
