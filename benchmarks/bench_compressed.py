@@ -22,8 +22,10 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 For each: weight bytes the compiled model holds, decode tok/s at batch 1 (64 new tokens after a
 ``--prompt-tokens`` prompt), prefill tok/s of that prompt and time to first token, each as a ratio
 to float32, and the logit distance to float32 (max |log-prob delta| of float32's greedy tokens
-and greedy agreement, over 4 prompts x 16 tokens). The roofline beside them: bytes held over the
-memory bandwidth a numpy copy reaches, as the fastest decode those bytes allow.
+and greedy agreement, over 4 prompts x 16 tokens). The roofline beside them: the fastest decode
+the bytes allow, the memory traffic a numpy copy sustains (bytes read plus written per second)
+over the bytes one decode step reads (every weight held, less an untied embedding table, of
+which a step reads one row).
 
 Run: ``HF_HUB_OFFLINE=1 uv run python benchmarks/bench_compressed.py --shape 300m --out r.json``.
 """
@@ -56,6 +58,25 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
+
+
+def streamed_bytes(held: int, shape: Any, variant: str | None = None) -> int:
+    """Bytes one batch-1 decode step reads: ``held`` less an untied embedding table (one row of
+    it is read). Every variant keeps the embedding float32 but GGUF ``q4_0`` (18 bytes a 32)."""
+    if shape.tie_embeddings:
+        return held
+    per = 18 / 32 if variant == "gguf q4_0" else 4
+    return held - int(shape.vocab * shape.hidden * per) + int(shape.hidden * per)
+
+
+def projection_bytes(held: int, base_bytes: int, proj_params: int, shape: Any, variant: str) -> int:
+    """Of ``held``, the projections' bytes: what is not the embedding, head and norms (float32
+    as in the stock model; GGUF ``q4_0`` holds its embedding and head in ``q4_0`` too)."""
+    if variant == "gguf q4_0":
+        tables = 1 if shape.tie_embeddings else 2
+        norms = (2 * shape.layers + 1) * shape.hidden * 4
+        return held - int(tables * shape.vocab * shape.hidden * 18 / 32) - norms
+    return held - (base_bytes - 4 * proj_params)
 
 
 def _stock_loaded(directory: Path, gguf: Path, *, max_length: int) -> Any:
@@ -185,7 +206,11 @@ def main() -> None:
         "shape": shape.config(),
         "parameters": {"projections": proj_params, "all": all_params},
         "bandwidth_bytes_per_s": bandwidth,
-        "base": {"weight_bytes": base_bytes, "roofline_tok_s": bandwidth / 2 / base_bytes},
+        "base": {
+            "weight_bytes": base_bytes,
+            "streamed_bytes": streamed_bytes(base_bytes, shape),
+            "roofline_tok_s": bandwidth / streamed_bytes(base_bytes, shape),
+        },
         "variants": {},
     }
     try:
@@ -217,7 +242,12 @@ def main() -> None:
                 "prepare_s": prepared_s,
                 "weight_bytes": held,
                 "bytes_ratio": held / base_bytes,
-                "roofline_tok_s": bandwidth / 2 / held,
+                "projection_bytes_ratio": projection_bytes(
+                    held, base_bytes, proj_params, shape, variant
+                )
+                / (4 * proj_params),
+                "streamed_bytes": streamed_bytes(held, shape, variant),
+                "roofline_tok_s": bandwidth / streamed_bytes(held, shape, variant),
                 "max_abs_logprob_delta": parity.max_abs_logprob_delta,
                 "agreement": parity.agreement,
                 **summary,
@@ -231,7 +261,9 @@ def main() -> None:
                     f"{r[m]['ci_high']:.3f}]"
                     for m in ("decode_tok_s", "prefill_tok_s", "ttft_s")
                 )
-                + f"; base decode {summary['medians']['base']['decode_tok_s']:.1f} tok/s; "
+                + f"; decode {summary['medians']['theta']['decode_tok_s']:.1f} tok/s (roofline "
+                f"{row['roofline_tok_s']:.1f}), base {summary['medians']['base']['decode_tok_s']:.1f}"
+                f" (roofline {results['base']['roofline_tok_s']:.1f}); "
                 f"max|dlogp| {parity.max_abs_logprob_delta:.3f}, agreement "
                 f"{100 * parity.agreement:.1f}%; {load.describe()}",
                 flush=True,

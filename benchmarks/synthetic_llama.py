@@ -132,6 +132,21 @@ def _other_tensors(shape: ModelShape, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def pad_tokenizer(path: Path, vocab: int) -> None:
+    """Give the (demo's, 2,048-token) tokenizer the model's ``vocab`` ids: ``<|unused_N|>``
+    entries no merge produces, so encoding is unchanged, while a random model's greedy tokens
+    above 2,047 are in the vocabulary (MAX's stock pipeline refuses out-of-vocabulary ids)."""
+    if not path.exists():
+        return
+    tok = json.loads(path.read_text())
+    table = tok["model"]["vocab"]
+    taken = set(table.values()) | {t["id"] for t in tok.get("added_tokens", [])}
+    for i in range(vocab):
+        if i not in taken:
+            table[f"<|unused_{i}|>"] = i
+    path.write_text(json.dumps(tok, ensure_ascii=False))
+
+
 def write_synthetic(
     directory: Path, shape: ModelShape, tokenizer_from: Path, *, seed: int = 0
 ) -> Path:
@@ -143,6 +158,7 @@ def write_synthetic(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, directory / name)
+    pad_tokenizer(directory / "tokenizer.json", shape.vocab)
     shards = shape.layers + 1
     weight_map: dict[str, str] = {}
 
