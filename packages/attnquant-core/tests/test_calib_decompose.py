@@ -11,8 +11,6 @@ import safetensors.numpy
 
 from attnquant_core import ThetaCheckpoint, decompose_budget, decompose_checkpoint
 from attnquant_core.calib import (
-    calibrate,
-    open_source,
     output_error,
     read_stats,
     whitened_svd,
@@ -20,44 +18,6 @@ from attnquant_core.calib import (
     write_stats,
 )
 from attnquant_core.fit._whitened import fit_layer_whitened
-from attnquant_core.testing import make_weights
-
-# attnquant_core.testing's shapes: hidden 24, q 32 = 4 heads x 8, k/v 8 = 1 KV head, MLP 40.
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 24,
-    "intermediate_size": 40,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "vocab_size": 16,
-}
-
-
-def tiny_llama(directory: Path) -> tuple[Path, dict[str, np.ndarray]]:
-    """A 2-layer Llama (the test_calib_forward model) with weights scaled to O(1/sqrt(in))."""
-    rng = np.random.default_rng(0)
-    state = {
-        k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v) for k, v in make_weights(2).items()
-    }
-    for layer in range(2):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"model.layers.{layer}.{norm}.weight"] = np.ones(24, np.float32)
-    state["lm_head.weight"] = (rng.standard_normal((16, 24)) / 3).astype(np.float32)
-    directory.mkdir(parents=True, exist_ok=True)
-    safetensors.numpy.save_file(state, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(CONFIG))
-    return directory, state
-
-
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory) -> tuple[Path, Path, dict[str, np.ndarray]]:
-    tmp = tmp_path_factory.mktemp("calibrated")
-    directory, state = tiny_llama(tmp / "tiny")
-    windows = np.random.default_rng(0).integers(0, 16, size=(8, 16))
-    report = calibrate(open_source(directory), windows, tmp / "stats.safetensors")
-    return directory, report.path, state
 
 
 def _output_errors(theta_dir: Path, state: dict, stats_file: Path) -> tuple[float, float]:
@@ -72,8 +32,8 @@ def _output_errors(theta_dir: Path, state: dict, stats_file: Path) -> tuple[floa
     return out, weight
 
 
-def test_banded_fit_with_calibration_lowers_the_output_error(calibrated, tmp_path) -> None:
-    directory, stats_file, state = calibrated
+def test_banded_fit_with_calibration_lowers_the_output_error(tiny_calibrated, tmp_path) -> None:
+    directory, stats_file, state = tiny_calibrated
     plain = tmp_path / "plain"
     white = tmp_path / "white"
     decompose_checkpoint(directory, plain, blocks=1, rank=3)
@@ -92,8 +52,8 @@ def test_banded_fit_with_calibration_lowers_the_output_error(calibrated, tmp_pat
     assert len(q["output_errors"]) == 2 and all(0 < e < 1 for e in q["output_errors"])
 
 
-def test_a_projection_without_statistics_is_fit_unwhitened(calibrated, tmp_path) -> None:
-    directory, stats_file, _ = calibrated
+def test_a_projection_without_statistics_is_fit_unwhitened(tiny_calibrated, tmp_path) -> None:
+    directory, stats_file, _ = tiny_calibrated
     stats = read_stats(stats_file)
     partial = {k: stats.gram(k) for k in stats.keys if "mlp.down_proj" not in k}
     write_stats(tmp_path / "partial.safetensors", partial, tokens=stats.tokens)
@@ -108,8 +68,8 @@ def test_a_projection_without_statistics_is_fit_unwhitened(calibrated, tmp_path)
     assert some["families"]["mlp.up_proj"]["errors"] != plain["families"]["mlp.up_proj"]["errors"]
 
 
-def test_budget_fit_with_calibration(calibrated, tmp_path) -> None:
-    directory, stats_file, state = calibrated
+def test_budget_fit_with_calibration(tiny_calibrated, tmp_path) -> None:
+    directory, stats_file, state = tiny_calibrated
     plain = decompose_budget(directory, tmp_path / "plain", budget=0.5)
     white = decompose_budget(directory, tmp_path / "white", budget=0.5, calibration=stats_file)
     assert white.stored <= 0.5 * white.dense and plain.stored <= 0.5 * plain.dense
@@ -121,8 +81,8 @@ def test_budget_fit_with_calibration(calibrated, tmp_path) -> None:
     assert all(c.side in (None, "out") for c in white.families.values())
 
 
-def test_budget_fit_tries_whitened_shared_bases(calibrated, tmp_path) -> None:
-    directory, stats_file, _ = calibrated
+def test_budget_fit_tries_whitened_shared_bases(tiny_calibrated, tmp_path) -> None:
+    directory, stats_file, _ = tiny_calibrated
     report = decompose_budget(
         directory, tmp_path / "shared", budget=0.6, forms=["shared_basis"], calibration=stats_file
     )
@@ -142,8 +102,8 @@ def test_fit_layer_whitened_low_rank_is_the_whitened_svd() -> None:
     assert out_err == pytest.approx(np.sqrt(np.sum(sigma[4:] ** 2) / np.sum(sigma**2)), rel=1e-8)
 
 
-def test_statistics_of_another_model_are_refused(calibrated, tmp_path) -> None:
-    directory, _, _ = calibrated
+def test_statistics_of_another_model_are_refused(tiny_calibrated, tmp_path) -> None:
+    directory, _, _ = tiny_calibrated
     path = tmp_path / "wrong.safetensors"
     safetensors.numpy.save_file(
         {"model.layers.0.self_attn.q_proj.input_gram": np.eye(7, dtype=np.float32)},

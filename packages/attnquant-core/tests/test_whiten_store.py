@@ -21,11 +21,10 @@ import pytest
 import safetensors.numpy
 
 from attnquant_core import decompose_budget, decompose_checkpoint
-from attnquant_core.calib import CalibrationError, calibrate, open_source, read_stats, whitening
+from attnquant_core.calib import CalibrationError, read_stats, whitening
 from attnquant_core.fit._whitened import Calibration, WhiteningStore, as_calibration
 from attnquant_core.io import _calibration
 from attnquant_core.io._calibration import check_gram, write_stats
-from attnquant_core.testing import make_weights
 
 
 def _reference(G: np.ndarray, damping: float = 1e-2):
@@ -211,38 +210,6 @@ def test_store_spills_and_reads_back_an_eigen_factor(tmp_path) -> None:
     assert cal.store.computed == 1 and cal.store.loaded == 1
 
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 24,
-    "intermediate_size": 40,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "vocab_size": 16,
-}
-
-
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("store")
-    rng = np.random.default_rng(0)
-    state = {
-        k: (v / np.sqrt(v.shape[-1]) if v.ndim == 2 else v) for k, v in make_weights(2).items()
-    }
-    for layer in range(2):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"model.layers.{layer}.{norm}.weight"] = np.ones(24, np.float32)
-    state["lm_head.weight"] = (rng.standard_normal((16, 24)) / 3).astype(np.float32)
-    directory = tmp / "tiny"
-    directory.mkdir()
-    safetensors.numpy.save_file(state, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(CONFIG))
-    windows = rng.integers(0, 16, size=(8, 16))
-    report = calibrate(open_source(directory), windows, tmp / "stats.safetensors")
-    return directory, report.path
-
-
 def _tensors(directory: Path) -> dict[str, bytes]:
     out = {}
     for f in sorted(directory.glob("*.safetensors")):
@@ -251,8 +218,8 @@ def _tensors(directory: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("how", ["budget", "blocks"])
-def test_a_decomposition_factors_each_distinct_gram_once(calibrated, tmp_path, how) -> None:
-    directory, stats = calibrated
+def test_a_decomposition_factors_each_distinct_gram_once(tiny_calibrated, tmp_path, how) -> None:
+    directory, stats, _ = tiny_calibrated
     outs = []
     for memory_bytes in (1 << 30, 0):  # all held; all spilled to disk and read back
         cal = as_calibration(stats)
