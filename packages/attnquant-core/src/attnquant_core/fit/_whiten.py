@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import scipy.linalg
 
-from ..io._calibration import CalibrationError
+from ..io._calibration import CalibrationError, _row_blocks
 
 __all__ = [
     "DEFAULT_DAMPING",
@@ -86,10 +86,8 @@ class Whitening:
 
 def _has_negative_zero(G: np.ndarray) -> bool:
     """Whether ``G`` holds a ``-0.0`` (a block of rows at a time)."""
-    n = G.shape[0]
-    rows = max(1, (4 << 20) // max(1, 8 * n))
-    for i in range(0, n, rows):
-        block = G[i : i + rows]
+    for i, j in _row_blocks(G.shape[0]):
+        block = G[i:j]
         if np.any(np.signbit(block) & (block == 0)):
             return True
     return False

@@ -94,14 +94,13 @@ class CalibrationStats:
         tokens: int,
         shapes: dict[str, tuple[int, ...]],
         dtypes: dict,
-        offsets: dict[str, int] | None = None,
+        offsets: dict[str, int],
     ):
         self.path = path
         self.tokens = tokens
         self._shapes = shapes  # by gram key
         self._dtypes = dtypes
-        # Absolute byte offset of each gram's data in the file (None: read through safetensors).
-        self._offsets = offsets
+        self._offsets = offsets  # absolute byte offset of each gram's data in the file
         self._digest: str | None = None
 
     def __repr__(self) -> str:
@@ -156,24 +155,18 @@ class CalibrationStats:
             )
         dtype = np.dtype(_DTYPES[self._dtypes[key]]).newbyteorder("<")
         digest = hashlib.sha256(f"{dtype.str}{list(shape)}".encode())
-        if self._offsets is None:  # pragma: no cover - read_stats always records the offsets
-            with safe_open(self.path, framework="numpy") as f:
-                raw = f.get_tensor(key)
-            digest.update(np.ascontiguousarray(raw, dtype=dtype).tobytes())
-            G = np.asarray(raw, dtype=np.float64)
-        else:
-            n = shape[0]
-            G = np.empty((n, n), np.float64)
-            with open(self.path, "rb") as f:
-                f.seek(self._offsets[key])
-                for start, stop in _row_blocks(n, dtype.itemsize):
-                    want = (stop - start) * n * dtype.itemsize
-                    block = f.read(want)
-                    if len(block) != want:
-                        raise CalibrationError(f"{where}: the file is truncated")
-                    digest.update(block)
-                    G[start:stop] = np.frombuffer(block, dtype=dtype).reshape(stop - start, n)
-                    del block
+        n = shape[0]
+        G = np.empty((n, n), np.float64)
+        with open(self.path, "rb") as f:
+            f.seek(self._offsets[key])
+            for start, stop in _row_blocks(n, dtype.itemsize):
+                want = (stop - start) * n * dtype.itemsize
+                block = f.read(want)
+                if len(block) != want:
+                    raise CalibrationError(f"{where}: the file is truncated")
+                digest.update(block)
+                G[start:stop] = np.frombuffer(block, dtype=dtype).reshape(stop - start, n)
+                del block
         check_gram(G, where)
         return G, f"sha256:{digest.hexdigest()}"
 
