@@ -60,23 +60,27 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return 2 * src.nbytes / best
 
 
+def _table_bytes(shape: Any, variant: str | None) -> float:
+    """Bytes of one embedding (or head) table: float32 in every variant but GGUF ``q4_0``'s
+    (18 bytes a 32 weights)."""
+    return shape.vocab * shape.hidden * (18 / 32 if variant == "gguf q4_0" else 4)
+
+
 def streamed_bytes(held: int, shape: Any, variant: str | None = None) -> int:
-    """Bytes one batch-1 decode step reads: ``held`` less an untied embedding table (one row of
-    it is read). Every variant keeps the embedding float32 but GGUF ``q4_0`` (18 bytes a 32)."""
+    """Bytes one batch-1 decode step reads: ``held`` less an untied embedding table (of which
+    it reads one row)."""
     if shape.tie_embeddings:
         return held
-    per = 18 / 32 if variant == "gguf q4_0" else 4
-    return held - int(shape.vocab * shape.hidden * per) + int(shape.hidden * per)
+    table = _table_bytes(shape, variant)
+    return held - int(table) + int(table / shape.vocab)
 
 
-def projection_bytes(held: int, base_bytes: int, proj_params: int, shape: Any, variant: str) -> int:
-    """Of ``held``, the projections' bytes: what is not the embedding, head and norms (float32
-    as in the stock model; GGUF ``q4_0`` holds its embedding and head in ``q4_0`` too)."""
-    if variant == "gguf q4_0":
-        tables = 1 if shape.tie_embeddings else 2
-        norms = (2 * shape.layers + 1) * shape.hidden * 4
-        return held - int(tables * shape.vocab * shape.hidden * 18 / 32) - norms
-    return held - (base_bytes - 4 * proj_params)
+def projection_bytes(held: int, shape: Any, variant: str | None = None) -> int:
+    """Of ``held``, the projections' bytes: what is not the embedding, head and norms
+    (float32 norms in every variant)."""
+    tables = 1 if shape.tie_embeddings else 2
+    norms = (2 * shape.layers + 1) * shape.hidden * 4
+    return held - int(tables * _table_bytes(shape, variant)) - norms
 
 
 def _stock_loaded(directory: Path, gguf: Path, *, max_length: int) -> Any:
@@ -242,9 +246,7 @@ def main() -> None:
                 "prepare_s": prepared_s,
                 "weight_bytes": held,
                 "bytes_ratio": held / base_bytes,
-                "projection_bytes_ratio": projection_bytes(
-                    held, base_bytes, proj_params, shape, variant
-                )
+                "projection_bytes_ratio": projection_bytes(held, shape, variant)
                 / (4 * proj_params),
                 "streamed_bytes": streamed_bytes(held, shape, variant),
                 "roofline_tok_s": bandwidth / streamed_bytes(held, shape, variant),
