@@ -45,6 +45,7 @@ __all__ = [
     "fused_group_of",
     "gemm_band_key",
     "gemm_groups",
+    "is_nvfp4_family",
     "served_layers",
     "stacked_input_key",
 ]
@@ -85,6 +86,11 @@ class Served(NamedTuple):
     band: int = 0
 
 
+def is_nvfp4_family(fam: Any) -> bool:
+    """Whether ``fam`` is banded with its ``W0`` stored in NVFP4 (served packed, not in ``W0V``)."""
+    return getattr(fam, "form", None) == "banded" and getattr(fam, "quant", None) == "nvfp4"
+
+
 def served_layers(fam: Any) -> tuple[Served, ...]:
     """How every layer of ``fam`` (any :mod:`attnquant_core` family form) is served.
 
@@ -94,7 +100,7 @@ def served_layers(fam: Any) -> tuple[Served, ...]:
     """
     form = fam.form
     if form == "banded":
-        kind = "nvfp4" if getattr(fam, "quant", None) == "nvfp4" else "banded"
+        kind = "nvfp4" if is_nvfp4_family(fam) else "banded"
         return tuple(Served(kind, t.rank, b) for t, b in zip(fam.layers, fam.bands, strict=True))
     out_dim, in_dim = fam.shape
     dense = out_dim * in_dim

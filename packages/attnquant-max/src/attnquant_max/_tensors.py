@@ -20,6 +20,7 @@ from ._served import (
     fused_group_of,
     gemm_band_key,
     gemm_groups,
+    is_nvfp4_family,
     served_layers,
     stacked_input_key,
 )
@@ -27,16 +28,10 @@ from ._served import (
 __all__ = [
     "banded_groups",
     "ingraph_tensors",
-    "is_nvfp4_family",
     "nvfp4_tensors",
     "stacked_layers",
     "uniform_ranks",
 ]
-
-
-def is_nvfp4_family(fam: Any) -> bool:
-    """Whether ``fam`` is banded with its ``W0`` stored in NVFP4 (served packed, not in ``W0V``)."""
-    return getattr(fam, "form", None) == "banded" and getattr(fam, "quant", None) == "nvfp4"
 
 
 def nvfp4_tensors(
