@@ -49,8 +49,7 @@ from attnquant_core.io import NVFP4_PARTS, nvfp4_key
 
 from ._factored_layers import FactoredLinear, ThetaStackedInput
 from ._layout import FUSED_GROUPS, InGraphLayout, gemm_band_key
-from ._nvfp4 import BLOCK_SIZE
-from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
+from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, packed_specs
 
 __all__ = [
     "ThetaBuilder",
@@ -461,14 +460,9 @@ class ThetaBuilder:
         tensors created once in the bank under the checkpoint's names."""
         how = self.layout.served[family][layer]
         out_dim, in_dim = self.shapes[family]
-        specs = (
-            (DType.uint8, [out_dim, in_dim // 2]),
-            (DType.uint8, [out_dim, in_dim // BLOCK_SIZE]),
-            (DType.float32, [1]),
-        )
         w, ws, ws2 = (
             self.bank.add(nvfp4_key(family, how.band, part), dt, shape, self.device)
-            for part, (dt, shape) in zip(NVFP4_PARTS, specs, strict=True)
+            for part, (dt, shape) in zip(NVFP4_PARTS, packed_specs(out_dim, in_dim), strict=True)
         )
         return NVFP4Linear(
             in_dim,

@@ -60,6 +60,7 @@ __all__ = [
     "dequantize_in_graph",
     "measure_nvfp4",
     "nvfp4_fused",
+    "packed_specs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,17 @@ _E4M3_TABLE = E4M3_VALUES.astype(np.float32)
 
 #: One NVFP4 weight held elsewhere: ``(packed codes, E4M3 scale bytes, per-tensor scale)``.
 NVFP4Band = tuple[Weight, Weight, Weight]
+
+
+def packed_specs(out_dim: int, in_dim: int) -> tuple[tuple[DType, list[int]], ...]:
+    """dtype and shape of the three weights holding an NVFP4 ``[out_dim, in_dim]`` weight, in
+    :data:`attnquant_core.io.NVFP4_PARTS` order: the packed codes, the E4M3 block scales as
+    bytes, the per-tensor scale."""
+    return (
+        (DType.uint8, [out_dim, in_dim // 2]),
+        (DType.uint8, [out_dim, in_dim // BLOCK_SIZE]),
+        (DType.float32, [1]),
+    )
 
 
 def dequantize_in_graph(
@@ -141,20 +153,22 @@ class NVFP4Linear(Module):
             raise ValueError("NVFP4Linear: a correction of rank > 0 needs theta=True")
         self.in_dim, self.out_dim, self.dtype, self.fused = in_dim, out_dim, dtype, fused
         self.theta, self.rank = theta, rank
-        shapes = ([out_dim, in_dim // 2], [out_dim, in_dim // BLOCK_SIZE], [1])
+        specs = packed_specs(out_dim, in_dim)
+        shapes = [shape for _, shape in specs]
         if band is None:
-            self.weight = Weight("weight", DType.uint8, shapes[0], device=device)
-            self.weight_scale = Weight("weight_scale", DType.uint8, shapes[1], device=device)
-            self.weight_scale_2 = Weight("weight_scale_2", DType.float32, shapes[2], device=device)
+            self.weight, self.weight_scale, self.weight_scale_2 = (
+                Weight(name, dt, shape, device=device)
+                for name, (dt, shape) in zip(
+                    ("weight", "weight_scale", "weight_scale_2"), specs, strict=True
+                )
+            )
             band = (self.weight, self.weight_scale, self.weight_scale_2)
         else:
             got = [list(w.shape.static_dims) for w in band]
-            if got != list(shapes) or [w.dtype for w in band] != [DType.uint8] * 2 + [
-                DType.float32
-            ]:
+            if got != shapes or [w.dtype for w in band] != [dt for dt, _ in specs]:
                 raise ValueError(
                     f"NVFP4 band {band[0].name}: {got} does not hold a [{out_dim}, {in_dim}] "
-                    f"NVFP4 weight (expected {list(shapes)}, uint8/uint8/float32)"
+                    f"NVFP4 weight (expected {shapes}, uint8/uint8/float32)"
                 )
         # A reference, not a registered weight, when the band's owner registers it.
         object.__setattr__(self, "_band", band)
