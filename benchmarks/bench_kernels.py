@@ -185,6 +185,18 @@ def reference(theta: dict, x: np.ndarray) -> list[np.ndarray]:
     return outs
 
 
+def _shapes(specs: list[str] | None) -> list[tuple[int, int]] | None:
+    """``OUTxIN`` strings as ``(out, in)`` pairs (``None``: the section's defaults)."""
+    if not specs:
+        return None
+    try:
+        return [(int(o), int(i)) for o, i in (spec.lower().split("x") for spec in specs)]
+    except ValueError:
+        raise SystemExit(
+            f"--nvfp4-shapes: expected OUTxIN such as 4096x1024, got {specs}"
+        ) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -203,6 +215,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--bandwidth-mib", type=int, default=1024, help="array copied to measure bandwidth"
+    )
+    parser.add_argument(
+        "--nvfp4-shapes",
+        nargs="+",
+        metavar="OUTxIN",
+        help="projection shapes of the nvfp4 section (default: 2048x2048 8192x2048 2048x8192)",
     )
     parser.add_argument(
         "--device",
@@ -335,6 +353,7 @@ def main() -> None:
             bandwidth_mib=args.bandwidth_mib,
             compile_s=compile_s,
             on_case=on_case,
+            shapes=_shapes(args.nvfp4_shapes),
         )
     print("compile + load (s): " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     if args.out:

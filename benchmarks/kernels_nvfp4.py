@@ -11,10 +11,14 @@ cached by MAX across runs).
   ``dequantize_in_graph`` rebuilds ``W`` in float32 with two gathers and a multiply on every
   forward, then the stock matmul: reads the packed bytes, writes and reads ``W`` (at least
   ``out * in * (9/16 + 8)`` bytes).
+* ``dense``: what a long batch (a prefill) runs beside the fused op: ``nvfp4_dequantize``
+  (attnquant-kernels) writes ``W^T`` in float32 once, then the stock matmul reads it: reads the
+  packed bytes, writes and reads ``W``, as ``deq`` does, but with one SIMD pass instead of
+  two gathers.
 * ``f32``: the stock float32 matmul ``x @ W^T`` over the same (dequantized) weight: ``4 out in``.
 
 Timing as the rest of the script: samples of ``inner`` back-to-back executions, ``fused`` paired
-(ABBA) with each of the other two, ratios by :func:`attnquant_core.paired_ratio` (< 1: fused
+(ABBA) with each of the others, ratios by :func:`attnquant_core.paired_ratio` (< 1: fused
 faster). The roofline of a path is its weight bytes over the memory bandwidth measured here with
 a numpy copy of a large array (bytes read plus written over the copy time; numpy copies on one
 thread, the kernels run on every core, so the roofline is a single-thread one). Every path is
@@ -24,7 +28,7 @@ checked against ``x @ dequantize(W)^T`` (numpy, float64) to 1e-4 before it is ti
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,14 +37,19 @@ from attnquant_kernels.testing import max_rel_error, nvfp4_dequantize, nvfp4_ran
 
 #: ``(out, in)`` of the projections timed.
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 2048), (8192, 2048), (2048, 8192))
-PATHS = ("fused", "deq", "f32")
+PATHS = ("fused", "deq", "dense", "f32")
+#: The paths timed against ``fused``, each in its own ABBA pairs.
+OTHERS = PATHS[1:]
 
 
 def weight_bytes(path: str, out_dim: int, in_dim: int) -> int:
-    """Weight bytes one execution of ``path`` moves (reads, plus the ``deq`` path's write)."""
+    """Weight bytes one execution of ``path`` moves (reads, plus the write of ``W`` by the
+    ``deq`` and ``dense`` paths)."""
     packed = out_dim * in_dim // 2 + out_dim * in_dim // 16 + 4
     dense = 4 * out_dim * in_dim
-    return {"fused": packed, "deq": packed + 2 * dense, "f32": dense}[path]
+    return {"fused": packed, "deq": packed + 2 * dense, "dense": packed + 2 * dense, "f32": dense}[
+        path
+    ]
 
 
 def memory_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
@@ -82,12 +91,15 @@ def build_graph(path: str, out_dim: int, in_dim: int):
         TensorType(DType.uint8, [out_dim, in_dim // 16], device=dev),
         TensorType(DType.float32, [1], device=dev),
     ]
-    if path == "fused":
-        from attnquant_kernels.graph import generated_linear_nvfp4
+    if path in ("fused", "dense"):
+        from attnquant_kernels.graph import generated_linear_nvfp4, nvfp4_dequantize
 
         with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as g:
             x, w, ws, ws2 = (v.tensor for v in g.inputs)
-            g.output(generated_linear_nvfp4(x, w, ws, ws2))
+            if path == "fused":
+                g.output(generated_linear_nvfp4(x, w, ws, ws2))
+            else:
+                g.output(x @ nvfp4_dequantize(w, ws, ws2, transposed=True))
         return g
     from attnquant_max._nvfp4_layers import dequantize_in_graph
 
@@ -106,8 +118,10 @@ def run_section(
     bandwidth_mib: int,
     compile_s: dict[str, float],
     on_case: Callable[[dict], None],
+    shapes: Sequence[tuple[int, int]] | None = None,
 ) -> dict:
-    """Time every shape and batch; ``on_case`` gets each case's record as it is measured."""
+    """Time every shape (``(out, in)``; default :data:`SHAPES`) and batch; ``on_case`` gets
+    each case's record as it is measured."""
     from max.driver import Buffer
 
     from attnquant_core import machine_load, paired_ratio, read_load, run_paired
@@ -115,15 +129,18 @@ def run_section(
     bandwidth = memory_bandwidth(bandwidth_mib)
     print(f"\nNVFP4 projection; memory bandwidth (numpy copy): {bandwidth / 1e9:.2f} GB/s")
     print(
-        f"{'out x in':>11} {'batch':>5} {'fused ms':>9} {'deq ms':>9} {'f32 ms':>9} "
-        f"{'fused/deq':>22} {'fused/f32':>22} {'roofline ms f/d/f32':>20}  load"
+        f"{'out x in':>11} {'batch':>5} "
+        + " ".join(f"{p + ' ms':>9}" for p in PATHS)
+        + " "
+        + " ".join(f"{'fused/' + p:>22}" for p in OTHERS)
+        + f" {'roofline ms ' + '/'.join(p[0] for p in PATHS):>24}  load"
     )
     rng = np.random.default_rng(5)
     cases = []
-    for out_dim, in_dim in SHAPES:
+    for out_dim, in_dim in shapes or SHAPES:
         packed = nvfp4_random(rng, out_dim, in_dim)
         W = nvfp4_dequantize(*packed)
-        arrays = {"fused": list(packed), "deq": list(packed), "f32": [W]}
+        arrays = {p: list(packed) for p in PATHS} | {"f32": [W]}
         models, inputs = {}, {}
         for path in PATHS:
             t0 = time.perf_counter()
@@ -156,17 +173,14 @@ def run_section(
                 return run
 
             before = read_load()
-            vs_deq = run_paired(timer("fused"), timer("deq"), pairs=repetitions, warmup=1)
-            vs_f32 = run_paired(timer("fused"), timer("f32"), pairs=repetitions, warmup=1)
-            load = machine_load(before)
-            samples = {
-                "fused": list(vs_deq.a) + list(vs_f32.a),
-                "deq": list(vs_deq.b),
-                "f32": list(vs_f32.b),
+            runs = {
+                p: run_paired(timer("fused"), timer(p), pairs=repetitions, warmup=1) for p in OTHERS
             }
+            load = machine_load(before)
+            samples = {"fused": [t for r in runs.values() for t in r.a]}
+            samples |= {p: list(r.b) for p, r in runs.items()}
             med = {p: float(np.median(v)) * 1e3 for p, v in samples.items()}
-            r_deq = paired_ratio(list(vs_deq.a), list(vs_deq.b))
-            r_f32 = paired_ratio(list(vs_f32.a), list(vs_f32.b))
+            ratios = {p: paired_ratio(list(r.a), list(r.b)) for p, r in runs.items()}
             nbytes = {p: weight_bytes(p, out_dim, in_dim) for p in PATHS}
             roof = {p: nbytes[p] / bandwidth * 1e3 for p in PATHS}
             case = {
@@ -174,25 +188,27 @@ def run_section(
                 "in": in_dim,
                 "batch": batch,
                 "median_ms": med,
-                "fused_over_deq": r_deq.to_json(),
-                "fused_over_f32": r_f32.to_json(),
+                **{f"fused_over_{p}": r.to_json() for p, r in ratios.items()},
                 "weight_bytes": nbytes,
                 "weight_bytes_per_token": {p: b / batch for p, b in nbytes.items()},
                 "roofline_ms": roof,
                 "pairs": repetitions,
-                "order": {"vs_deq": vs_deq.order_string(), "vs_f32": vs_f32.order_string()},
+                "order": {f"vs_{p}": r.order_string() for p, r in runs.items()},
                 "load": load.to_json(),
                 "max_rel_error": errors,
                 "samples_s": samples,
             }
             cases.append(case)
-            ratios = [
-                f"{r.ratio:.3f} [{r.low:.3f}, {r.high:.3f}]".rjust(22) for r in (r_deq, r_f32)
+            shown = [
+                f"{r.ratio:.3f} [{r.low:.3f}, {r.high:.3f}]".rjust(22) for r in ratios.values()
             ]
             roofs = "/".join(f"{roof[p]:.2f}" for p in PATHS)
             print(
-                f"{out_dim:>5}x{in_dim:<5} {batch:>5} {med['fused']:>9.3f} {med['deq']:>9.3f} "
-                f"{med['f32']:>9.3f} {ratios[0]} {ratios[1]} {roofs:>20}  {load.describe()}"
+                f"{out_dim:>5}x{in_dim:<5} {batch:>5} "
+                + " ".join(f"{med[p]:>9.3f}" for p in PATHS)
+                + " "
+                + " ".join(shown)
+                + f" {roofs:>24}  {load.describe()}"
             )
             on_case(case)
     return {

@@ -20,7 +20,12 @@ def test_kernels_path_is_a_mojo_package():
 
 def test_every_op_has_its_source_and_registration():
     names = {p.name for p in ak.mojo_sources()}
-    assert ak.KERNEL_OPS == ("generated_linear", "generated_mlp", "generated_linear_nvfp4")
+    assert ak.KERNEL_OPS == (
+        "generated_linear",
+        "generated_mlp",
+        "generated_linear_nvfp4",
+        "nvfp4_dequantize",
+    )
     for op in ak.KERNEL_OPS:
         assert f"{op}.mojo" in names
         source = (ak.kernels_path() / f"{op}.mojo").read_text()

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="session")
 def linear_nvfp4() -> OpModel:
-    """Outputs: the op (float32), the plain NVFP4 projection, the op on bfloat16 activations."""
+    """Outputs: the op (float32), the plain NVFP4 projection, the op on bfloat16 activations,
+    nvfp4_dequantize's W, and its bfloat16 W^T."""
     return build_linear_nvfp4("cpu")
 
 
@@ -87,10 +88,11 @@ def test_linear_nvfp4_decodes_every_code_and_scale_byte_exactly(linear_nvfp4: Op
     weight_scale_2 = np.ones(1, np.float32)
     _, s, U, V = theta(rng, 256, 16, 0)
     x = np.eye(16, dtype=np.float32)[:M]
-    _, plain, _ = linear_nvfp4(x, weight, weight_scale, weight_scale_2, s, U, V)
+    _, plain, _, W_op, _ = linear_nvfp4(x, weight, weight_scale, weight_scale_2, s, U, V)
     W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
     assert np.isnan(W[[0x7F, 0xFF]]).all() and np.isfinite(np.delete(W, [0x7F, 0xFF], 0)).all()
     np.testing.assert_array_equal(plain, W.T[:M])
+    np.testing.assert_array_equal(W_op, W)  # NaN rows included
 
 
 @pytest.mark.xdist_group("linear_nvfp4")
@@ -99,7 +101,7 @@ def test_linear_nvfp4_empty_batch(linear_nvfp4: OpModel):
     packed = nvfp4_random(rng, 6, 32)
     _, s, U, V = theta(rng, 6, 32, 3)
     outs = linear_nvfp4(np.zeros((0, 32), np.float32), *packed, s, U, V)
-    assert [o.shape for o in outs] == [(0, 6)] * 3
+    assert [o.shape for o in outs] == [(0, 6)] * 3 + [(6, 32), (32, 6)]
 
 
 def _bad(K: int, N: int, half: int, blocks: int, rank: int = 2) -> list[np.ndarray]:
@@ -168,3 +170,58 @@ def test_wrapper_refuses_bad_static_shapes_and_dtypes(index, replacement, error,
     shapes[index] = replacement
     with pytest.raises(error, match=rf"generated_linear_nvfp4: {message}"):
         _static(shapes)
+
+
+@pytest.mark.parametrize(
+    ("shapes_dtypes", "dtype", "error", "message"),
+    [
+        (
+            [([4, 12], "uint8"), ([4, 1], "uint8"), ([1], "float32")],
+            "float32",
+            ValueError,
+            r"weight holds 24 inputs, not a multiple of 16",
+        ),
+        (
+            [([4, 16], "uint8"), ([4, 3], "uint8"), ([1], "float32")],
+            "float32",
+            ValueError,
+            r"weight_scale is \[out, 3\], expected \[out, 2\]",
+        ),
+        (
+            [([4, 16], "uint8"), ([5, 2], "uint8"), ([1], "float32")],
+            "float32",
+            ValueError,
+            r"weight has 4 rows and weight_scale 5",
+        ),
+        (
+            [([4, 16], "uint8"), ([4, 2], "uint8"), ([1], "float16")],
+            "float32",
+            TypeError,
+            r"weight_scale_2 is float16, expected float32",
+        ),
+        (
+            [([4, 16], "uint8"), ([4, 2], "uint8"), ([1], "float32")],
+            "int8",
+            TypeError,
+            r"W must be float32, bfloat16 or float16, not int8",
+        ),
+    ],
+    ids=["in-not-16k", "scale-width", "rows", "scale_2-dtype", "out-dtype"],
+)
+def test_dequantize_wrapper_refuses_bad_static_shapes_and_dtypes(
+    shapes_dtypes, dtype, error, message
+):
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from attnquant_kernels.graph import nvfp4_dequantize
+
+    types = [
+        TensorType(getattr(DType, dt), list(shape), device=DeviceRef.CPU())
+        for shape, dt in shapes_dtypes
+    ]
+    with (
+        pytest.raises(error, match=rf"nvfp4_dequantize: {message}"),
+        Graph("aq_nvfp4_dequantize_static", input_types=types) as g,
+    ):
+        g.output(nvfp4_dequantize(*(v.tensor for v in g.inputs), getattr(DType, dtype)))

@@ -120,9 +120,11 @@ def test_served_nvfp4_is_the_stock_model_on_dequantized_weights(
         assert_serves_like(nvfp4_model, reference)
 
 
-def assert_serves_like(model: LoadedModel, reference: LoadedModel) -> None:
-    """``model`` gives ``reference``'s greedy tokens and its log-probs (to 1e-4) on PROMPTS."""
-    for prompt in PROMPTS:
+def assert_serves_like(
+    model: LoadedModel, reference: LoadedModel, prompts: list[str] = PROMPTS
+) -> None:
+    """``model`` gives ``reference``'s greedy tokens and its log-probs (to 1e-4) on ``prompts``."""
+    for prompt in prompts:
         ids = reference.encode(prompt)
         tokens = greedy_generate(reference, ids, 8)
         assert greedy_generate(model, ids, 8) == tokens

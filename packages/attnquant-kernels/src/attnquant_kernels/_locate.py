@@ -14,7 +14,12 @@ __all__ = [
 ]
 
 #: Custom-op names registered by the Mojo package (``@compiler.register(name)``).
-KERNEL_OPS: tuple[str, ...] = ("generated_linear", "generated_mlp", "generated_linear_nvfp4")
+KERNEL_OPS: tuple[str, ...] = (
+    "generated_linear",
+    "generated_mlp",
+    "generated_linear_nvfp4",
+    "nvfp4_dequantize",
+)
 
 #: Largest correction rank ``r`` the custom ops accept (the Mojo side refuses above it too).
 MAX_RANK = 64

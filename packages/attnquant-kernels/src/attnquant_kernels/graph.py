@@ -7,6 +7,7 @@ or any graph created under ``max.graph.default_custom_extensions_scope(kernels_p
     y = generated_mlp(x, (W0_g, s_g, U_g, V_g), (W0_u, s_u, U_u, V_u),
                       (W0_d, s_d, U_d, V_d), activation="silu")  # [M, H]
     y = generated_linear_nvfp4(x, weight, weight_scale, weight_scale_2, s, U, V)  # [M, N]
+    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)                # [N, K] float32
 
 ``x`` is ``[M, K]`` (fold leading dimensions into ``M`` first); every tensor has the dtype of
 ``x`` (float32 or bfloat16) and lives on its device. Rank 0: pass ``U = V = None`` and the
@@ -25,7 +26,13 @@ from max.graph import Dim, StaticDim, TensorType, TensorValue, TensorValueLike, 
 
 from ._locate import check_rank, kernels_path
 
-__all__ = ["ACTIVATIONS", "generated_linear", "generated_linear_nvfp4", "generated_mlp"]
+__all__ = [
+    "ACTIVATIONS",
+    "generated_linear",
+    "generated_linear_nvfp4",
+    "generated_mlp",
+    "nvfp4_dequantize",
+]
 
 #: Activation names accepted by :func:`generated_mlp`, and the kernel parameter each maps to
 #: (Hugging Face ``hidden_act`` spellings included).
@@ -258,39 +265,10 @@ def generated_linear_nvfp4(
     op = "generated_linear_nvfp4"
     x = TensorValue(x)
     _check_x(x, op)
-    weight, weight_scale = TensorValue(weight), TensorValue(weight_scale)
-    weight_scale_2 = TensorValue(weight_scale_2)
-    for label, t, dtype in (
-        ("weight", weight, DType.uint8),
-        ("weight_scale", weight_scale, DType.uint8),
-        ("weight_scale_2", weight_scale_2, DType.float32),
-    ):
-        if t.dtype != dtype:
-            raise TypeError(f"{op}: {label} is {t.dtype.name}, expected {dtype.name}")
-        if t.device != x.device:
-            raise ValueError(f"{op}: {label} is on {t.device}, x on {x.device}")
-    if weight.rank != 2 or weight_scale.rank != 2:
-        raise ValueError(
-            f"{op}: weight must be [out, in/2] and weight_scale [out, in/16], got "
-            f"{weight.shape} and {weight_scale.shape}"
-        )
-    if weight_scale_2.rank == 0:
-        weight_scale_2 = ops.reshape(weight_scale_2, [1])
-    if weight_scale_2.rank != 1 or _static(weight_scale_2.shape[0]) not in (None, 1):
-        raise ValueError(f"{op}: weight_scale_2 must hold one value, got {weight_scale_2.shape}")
-    k, half, blocks = (_static(d) for d in (x.shape[1], weight.shape[1], weight_scale.shape[1]))
-    if k is not None and k % 16:
-        raise ValueError(f"{op}: x has {k} inputs, not a multiple of 16 (one scale per 16)")
-    if k is not None and half is not None and 2 * half != k:
-        raise ValueError(f"{op}: weight is [out, {half}], expected [out, {k // 2}] for {k} inputs")
-    if k is not None and blocks is not None and 16 * blocks != k:
-        raise ValueError(
-            f"{op}: weight_scale is [out, {blocks}], expected [out, {k // 16}] for {k} inputs"
-        )
+    weight, weight_scale, weight_scale_2 = _nvfp4_parts(
+        op, weight, weight_scale, weight_scale_2, device=x.device, in_dim=_static(x.shape[1])
+    )
     n_out = weight.shape[0]
-    rows, scale_rows = _static(n_out), _static(weight_scale.shape[0])
-    if rows is not None and scale_rows is not None and rows != scale_rows:
-        raise ValueError(f"{op}: weight has {rows} rows and weight_scale {scale_rows}")
     if s is None:
         s = ops.broadcast_to(ops.constant(1, x.dtype, device=x.device), [n_out])
     values = _operands(x, weight, s, U, V, op=op, what="", in_dim=x.shape[1], w0_dtype=False)
@@ -301,3 +279,104 @@ def generated_linear_nvfp4(
         values=[x, weight, weight_scale, weight_scale_2, *values[1:]],
         out_types=[out],
     )
+
+
+def nvfp4_dequantize(
+    weight: TensorValueLike,
+    weight_scale: TensorValueLike,
+    weight_scale_2: TensorValueLike,
+    dtype: DType = DType.float32,
+    *,
+    transposed: bool = False,
+) -> TensorValue:
+    """The float weight ``W [N, K]`` of an NVFP4 tensor (``transposed``: ``W^T [K, N]``),
+    written out by one dispatch.
+
+    ``W[n, k] = E2M1[code[n, k]] * (E4M3(weight_scale[n, k // 16]) * weight_scale_2)`` in
+    float32, the reference's order, so a float32 ``W`` is bit for bit
+    ``attnquant_max.dequantize_nvfp4``'s (then cast to ``dtype``). For the batches where one
+    stock matmul over ``W`` beats :func:`generated_linear_nvfp4` (a long prefill); a decode step
+    should never write ``W``.
+
+    Parameters
+    ----------
+    weight, weight_scale, weight_scale_2 : TensorValue or Weight
+        As :func:`generated_linear_nvfp4`: uint8 ``[N, K/2]``, uint8 ``[N, K/16]``, float32
+        ``[1]`` (or a scalar), on one device.
+    dtype : DType
+        A float dtype for ``W`` (float32, bfloat16 or float16).
+    transposed : bool
+        Write ``W^T``, what ``x @ W^T`` multiplies by: MAX folds the transpose of a weight into
+        its matmul, but copies a computed ``W`` transposed first (12 ms of a 2048x2048 matmul
+        that takes 1.6 ms at one token on this project's CPU).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A dtype, a device or a static shape that does not fit the layout, in one line.
+    """
+    op = "nvfp4_dequantize"
+    if dtype not in _FLOAT:
+        raise TypeError(f"{op}: W must be float32, bfloat16 or float16, not {dtype.name}")
+    weight = TensorValue(weight)
+    weight, weight_scale, weight_scale_2 = _nvfp4_parts(
+        op, weight, weight_scale, weight_scale_2, device=weight.device, in_dim=None, owner="weight"
+    )
+    dims = [weight.shape[0], weight.shape[1] * 2]
+    out = TensorType(dtype, dims[::-1] if transposed else dims, device=weight.device)
+    return _custom(
+        op,
+        device=weight.device,
+        values=[weight, weight_scale, weight_scale_2],
+        out_types=[out],
+        parameters={"transposed": transposed},
+    )
+
+
+def _nvfp4_parts(
+    op: str,
+    weight: TensorValueLike,
+    weight_scale: TensorValueLike,
+    weight_scale_2: TensorValueLike,
+    *,
+    device: Any,
+    in_dim: int | None,
+    owner: str = "x",
+) -> tuple[TensorValue, TensorValue, TensorValue]:
+    """The three tensors of an NVFP4 weight as graph values, checked against the layout (and
+    against ``in_dim`` inputs when static); a scalar ``weight_scale_2`` becomes ``[1]``."""
+    weight, weight_scale = TensorValue(weight), TensorValue(weight_scale)
+    weight_scale_2 = TensorValue(weight_scale_2)
+    for label, t, dtype in (
+        ("weight", weight, DType.uint8),
+        ("weight_scale", weight_scale, DType.uint8),
+        ("weight_scale_2", weight_scale_2, DType.float32),
+    ):
+        if t.dtype != dtype:
+            raise TypeError(f"{op}: {label} is {t.dtype.name}, expected {dtype.name}")
+        if t.device != device:
+            raise ValueError(f"{op}: {label} is on {t.device}, {owner} on {device}")
+    if weight.rank != 2 or weight_scale.rank != 2:
+        raise ValueError(
+            f"{op}: weight must be [out, in/2] and weight_scale [out, in/16], got "
+            f"{weight.shape} and {weight_scale.shape}"
+        )
+    if weight_scale_2.rank == 0:
+        weight_scale_2 = ops.reshape(weight_scale_2, [1])
+    if weight_scale_2.rank != 1 or _static(weight_scale_2.shape[0]) not in (None, 1):
+        raise ValueError(f"{op}: weight_scale_2 must hold one value, got {weight_scale_2.shape}")
+    half, blocks = (_static(d) for d in (weight.shape[1], weight_scale.shape[1]))
+    k = in_dim if in_dim is not None else (2 * half if half is not None else None)
+    if k is not None and k % 16:
+        what = "x has" if in_dim is not None else "weight holds"
+        raise ValueError(f"{op}: {what} {k} inputs, not a multiple of 16 (one scale per 16)")
+    if k is not None and half is not None and 2 * half != k:
+        raise ValueError(f"{op}: weight is [out, {half}], expected [out, {k // 2}] for {k} inputs")
+    if k is not None and blocks is not None and 16 * blocks != k:
+        raise ValueError(
+            f"{op}: weight_scale is [out, {blocks}], expected [out, {k // 16}] for {k} inputs"
+        )
+    rows, scale_rows = _static(weight.shape[0]), _static(weight_scale.shape[0])
+    if rows is not None and scale_rows is not None and rows != scale_rows:
+        raise ValueError(f"{op}: weight has {rows} rows and weight_scale {scale_rows}")
+    return weight, weight_scale, weight_scale_2

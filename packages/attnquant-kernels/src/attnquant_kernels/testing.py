@@ -374,13 +374,14 @@ def build_linear_nvfp4(device: Device = "cpu") -> OpModel:
     ``weight_scale_2 [1]``, ``s [N]``, ``U [N, R]``, ``V [K, R]`` (float32); the kernel checks
     ``KH = K/2`` and ``KB = K/16``. Outputs: the op (float32); the plain NVFP4 projection
     (``s``, ``U``, ``V`` omitted: ``x @ W^T``); the op on bfloat16 ``x``, ``s``, ``U``, ``V``
-    (cast back to float32).
+    (cast back to float32); ``nvfp4_dequantize``'s float32 ``W [N, 2 KH]``, and its ``W^T``
+    in bfloat16 (``transposed``, cast back to float32).
     """
     from max.dtype import DType
     from max.graph import DeviceRef, Graph, TensorType
 
     from . import kernels_path
-    from .graph import generated_linear_nvfp4
+    from .graph import generated_linear_nvfp4, nvfp4_dequantize
 
     _check_device(device)
     dev = DeviceRef.GPU() if device == "gpu" else DeviceRef.CPU()
@@ -405,6 +406,8 @@ def build_linear_nvfp4(device: Device = "cpu") -> OpModel:
             generated_linear_nvfp4(x, w, ws, ws2, s, U, V),
             generated_linear_nvfp4(x, w, ws, ws2),
             _f32(generated_linear_nvfp4(xb, w, ws, ws2, sb, Ub, Vb)),
+            nvfp4_dequantize(w, ws, ws2),
+            _f32(nvfp4_dequantize(w, ws, ws2, DType.bfloat16, transposed=True)),
         )
     return session_model(g, device)
 
@@ -420,16 +423,22 @@ def check_linear_nvfp4(
     report: Report | None = None,
 ) -> None:
     """One random case of :func:`build_linear_nvfp4`'s model against the float64 identity over
-    the numpy-dequantized weight: ``s * (x W^T) + (x V) U^T``, and ``x W^T`` for the plain form.
+    the numpy-dequantized weight: ``s * (x W^T) + (x V) U^T``, and ``x W^T`` for the plain form;
+    ``nvfp4_dequantize``'s ``W`` equals the numpy one bit for bit, its bfloat16 ``W^T`` the
+    numpy one rounded to bfloat16.
     """
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((M, K)).astype(np.float32)
     packed = nvfp4_random(rng, N, K)
     W = nvfp4_dequantize(*packed)
     _, s, U, V = theta(rng, N, K, max(R, _min_rank(model)))
-    y, y0, yb = model(x, *packed, s, U, V)
+    y, y0, yb, W_op, Wt_bf16 = model(x, *packed, s, U, V)
     r = U.shape[1]
     what = f"{model.device} linear_nvfp4 M={M} K={K} N={N}"
+    for label, got, want in (("", W_op, W), (" bf16 transposed", Wt_bf16, round_bf16([W.T])[0])):
+        if not np.array_equal(got, want):
+            wrong = int(np.count_nonzero(got != want))
+            raise AssertionError(f"{what}: nvfp4_dequantize{label} differs from numpy in {wrong}")
     close(y, apply(x, W, s, U, V), F32_RTOL, f"{what} r={r}", report=report)
     plain = apply(x, W, np.ones(N, np.float32), U[:, :0], V[:, :0])
     close(y0, plain, F32_RTOL, f"{what} plain (s=U=V=None)", report=report)

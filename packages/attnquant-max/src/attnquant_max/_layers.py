@@ -305,7 +305,18 @@ class ThetaStackedLinear(Module):
                 W0s = [m.band.to(x.device) for m in members]
                 W = ops.concat([m.effective_weight(W0) for m, W0 in zip(members, W0s, strict=True)])
                 return x @ W.T
-            return ops.concat([m(x) for m in members], axis=-1)
+            # A fused NVFP4 member beside float ones runs the op at every batch: its many-row
+            # branch would put matmuls on x inside an ops.cond next to the float members' outside
+            # it, and MAX 26.7's compiler then fails ("operand does not dominate this use").
+            return ops.concat(
+                [
+                    m.fused_call(x, branch=False)
+                    if isinstance(m, NVFP4Linear) and m.fused
+                    else m(x)
+                    for m in members
+                ],
+                axis=-1,
+            )
         out = sum(self.out_dims)
         h = x @ self._band.to(x.device).T
         s = ops.concat([TensorValue(m.theta_s).to(x.device) for m in members])

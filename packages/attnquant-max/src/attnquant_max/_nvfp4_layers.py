@@ -23,7 +23,14 @@ stock one, and the dequantization costs one pass over ``W`` per projection per s
 With ``fused=True`` a projection is instead one ``generated_linear_nvfp4`` dispatch
 (attnquant-kernels), which decodes the packed codes inside its dot product and never writes
 ``W`` out: a decode step reads 4.5 bits per weight. :func:`nvfp4_fused` makes the choice once
-per process and device by timing both on one projection at start-up, and logs it.
+per process and device by timing both on one projection at start-up, and logs it. Decoding
+the codes in every dot product pays at a few tokens, where the weight bytes bound the step, and
+loses at many: the op's own GEMM tiles are no match for the stock matmul, so a 512-token prefill
+ran at 0.44x the float32 model's speed. So a fused projection branches on the tokens of the
+forward (``ops.cond``, both branches compiled into one graph): from :data:`DENSE_FROM_ROWS`
+rows on it writes its float weight once (``nvfp4_dequantize``, attnquant-kernels, bit for bit
+the reference's) and runs the stock matmul, below it dispatches the fused op. The threshold is
+the crossover measured by ``benchmarks/bench_kernels.py --sections nvfp4``.
 
 The same layer serves a theta checkpoint whose ``W0`` is stored in NVFP4 (format version 4)
 in the graph: ``theta=True`` adds the layer's ``theta_s`` (and, at ``rank > 0``, ``theta_U``,
@@ -40,19 +47,20 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from max.dtype import DType
-from max.graph import DeviceRef, TensorValue, Weight, ops
+from max.graph import DeviceRef, StaticDim, TensorType, TensorValue, Weight, ops
 from max.nn import Module
 
 from attnquant_kernels import MAX_RANK
-from attnquant_kernels.graph import generated_linear_nvfp4
+from attnquant_kernels.graph import generated_linear_nvfp4, nvfp4_dequantize
 
 from ._nvfp4 import BLOCK_SIZE, E2M1_VALUES, E4M3_VALUES, check_nvfp4_shape
 
 __all__ = [
+    "DENSE_FROM_ROWS",
     "E2M1_PAIR_TABLE",
     "NVFP4Band",
     "NVFP4Linear",
@@ -76,6 +84,30 @@ _E4M3_TABLE = E4M3_VALUES.astype(np.float32)
 
 #: One NVFP4 weight held elsewhere: ``(packed codes, E4M3 scale bytes, per-tensor scale)``.
 NVFP4Band = tuple[Weight, Weight, Weight]
+
+#: Rows (tokens of one forward) from which a fused NVFP4 projection writes its float weight
+#: once and runs the stock matmul instead of the fused op (the crossover measured on this
+#: project's CPU, see the module docstring).
+DENSE_FROM_ROWS = 64
+
+
+def by_rows(
+    x: TensorValue, out_dim: int, small: Callable[[], TensorValue], large: Callable[[], TensorValue]
+) -> TensorValue:
+    """``small()`` when ``x [M, in]`` has fewer than :data:`DENSE_FROM_ROWS` rows, else
+    ``large()``: one ``ops.cond`` on ``M`` at run time, both ``[M, out_dim]`` of ``x``'s dtype
+    (a static ``M`` picks its branch when the graph is built).
+
+    The branches must only use graph values made before the call (weights are placed at the
+    top of the graph, so they are safe to name inside either).
+    """
+    if isinstance(x.shape[0], StaticDim):
+        return small() if int(x.shape[0]) < DENSE_FROM_ROWS else large()
+    rows = ops.shape_to_tensor([x.shape[0]])  # int64 [1], on the host
+    pred = ops.reshape(rows >= DENSE_FROM_ROWS, [])
+    out = TensorType(x.dtype, [x.shape[0], out_dim], device=x.device)
+    (y,) = ops.cond(pred, [out], large, small)
+    return y
 
 
 def packed_specs(out_dim: int, in_dim: int) -> tuple[tuple[DType, list[int]], ...]:
@@ -111,7 +143,8 @@ def dequantize_in_graph(
 
 class NVFP4Linear(Module):
     """``y = x @ W^T`` with ``W`` held as NVFP4 (no bias): dequantized in the graph, or with
-    ``fused=True`` one ``generated_linear_nvfp4`` dispatch; with ``theta=True`` the theta
+    ``fused=True`` one ``generated_linear_nvfp4`` dispatch below :data:`DENSE_FROM_ROWS` rows
+    (from there on ``nvfp4_dequantize`` and one matmul); with ``theta=True`` the theta
     projection ``y = s * (x W0^T) + (x V) U^T`` over an NVFP4 ``W0``.
 
     Parameters
@@ -122,7 +155,9 @@ class NVFP4Linear(Module):
         The activation dtype (the dequantized weight is cast to it; ``s``, ``U``, ``V`` are in it).
     device : DeviceRef
     fused : bool
-        One ``generated_linear_nvfp4`` dispatch instead of dequantize-then-matmul.
+        Load the kernels: one ``generated_linear_nvfp4`` dispatch for a few rows, the weight
+        written by ``nvfp4_dequantize`` and one matmul for many; not: dequantize in the graph
+        with gathers, then one matmul, at every batch.
     band : NVFP4Band, optional
         The packed ``W0`` of this layer's band, registered by its owner (one copy per band);
         this module holds a reference. ``None``: the module owns ``weight``,
@@ -187,8 +222,17 @@ class NVFP4Linear(Module):
         )
 
     def dequantized(self, device: DeviceRef) -> TensorValue:
-        """The dense ``W [out, in]`` (``W0`` of a theta layer), rebuilt in the graph."""
+        """The dense ``W [out, in]`` (``W0`` of a theta layer), rebuilt in the graph with two
+        gathers and a multiply."""
         return dequantize_in_graph(*self._packed(device), self.dtype)
+
+    def matmul(self, x: TensorValue) -> TensorValue:
+        """``x W^T`` over the dense weight: where the kernels are loaded (``fused``),
+        ``nvfp4_dequantize`` writes ``W^T`` itself (MAX would copy a computed ``W``
+        transposed), else :meth:`dequantized`; the same float32 values either way."""
+        if self.fused:
+            return x @ nvfp4_dequantize(*self._packed(x.device), self.dtype, transposed=True)
+        return x @ self.dequantized(x.device).T
 
     def correction(self, x: TensorValue) -> TensorValue:
         """``(x V) U^T`` (theta layers of ``rank > 0``)."""
@@ -201,28 +245,46 @@ class NVFP4Linear(Module):
         y = h * self.theta_s.to(x.device)
         return y + self.correction(x) if self.rank else y
 
-    def fused_call(self, x: TensorValue) -> TensorValue:
-        """The projection as one ``generated_linear_nvfp4`` dispatch (leading dims folded)."""
-        lead = list(x.shape[:-1])
-        flat = ops.reshape(x, [-1, self.in_dim]) if x.rank != 2 else x
-        s = TensorValue(self.theta_s).to(x.device) if self.theta else None
+    def dense_call(self, x: TensorValue) -> TensorValue:
+        """The projection over the dense weight: one matmul, then the row scale and correction."""
+        return self.finish(self.matmul(x), x)
+
+    def kernel_call(self, flat: TensorValue) -> TensorValue:
+        """The projection of ``flat [M, in]`` as one ``generated_linear_nvfp4`` dispatch."""
+        s = TensorValue(self.theta_s).to(flat.device) if self.theta else None
         in_kernel = 0 < self.rank <= MAX_RANK
-        U = TensorValue(self.theta_U).to(x.device) if in_kernel else None
-        V = TensorValue(self.theta_V).to(x.device) if in_kernel else None
-        y = generated_linear_nvfp4(flat, *self._packed(x.device), s, U, V)
+        U = TensorValue(self.theta_U).to(flat.device) if in_kernel else None
+        V = TensorValue(self.theta_V).to(flat.device) if in_kernel else None
+        y = generated_linear_nvfp4(flat, *self._packed(flat.device), s, U, V)
         if self.rank > MAX_RANK:  # above the kernel's rank limit: the correction as two matmuls
             y = y + self.correction(flat)
+        return y
+
+    def fused_call(self, x: TensorValue, *, branch: bool = True) -> TensorValue:
+        """The fused projection (leading dims folded): the op below :data:`DENSE_FROM_ROWS`
+        rows, the dense weight and one matmul from there on (:func:`by_rows`); the op at
+        every batch with ``branch=False``."""
+        lead = list(x.shape[:-1])
+        flat = ops.reshape(x, [-1, self.in_dim]) if x.rank != 2 else x
+        if branch:
+            y = by_rows(
+                flat, self.out_dim, lambda: self.kernel_call(flat), lambda: self.dense_call(flat)
+            )
+        else:
+            y = self.kernel_call(flat)
         return ops.reshape(y, [*lead, self.out_dim]) if x.rank != 2 else y
 
     def __call__(self, x: TensorValue) -> TensorValue:
         if self.fused:
             return self.fused_call(x)
-        return self.finish(x @ self.dequantized(x.device).T, x)
+        return self.dense_call(x)
 
 
 class NVFP4StackedLinear(Module):
     """Projections of one input (q/k/v, gate/up): dequantized, concatenated, one matmul (then
-    each theta member's row scale and correction on its columns), or one fused dispatch each.
+    each theta member's row scale and correction on its columns), or, fused, one dispatch each
+    below :data:`DENSE_FROM_ROWS` rows and one matmul each over ``nvfp4_dequantize``'s weights
+    from there on.
 
     The stock ``StackedLinear`` concatenates its members' weights the same way; its own
     attribute name is left out of the weight names (``self_attn.q_proj.weight``).
@@ -249,14 +311,31 @@ class NVFP4StackedLinear(Module):
 
     def __call__(self, x: TensorValue) -> TensorValue:
         members = self.members
-        if all(m.fused for m in members):  # one dispatch per member, outputs side by side
-            return ops.concat([m.fused_call(x) for m in members], axis=-1)
+        if not all(m.fused for m in members):
+            return self.dense_call(x)
+        lead = list(x.shape[:-1])
+        flat = ops.reshape(x, [-1, members[0].in_dim]) if x.rank != 2 else x
+        y = by_rows(  # one fused dispatch per member, outputs side by side; or one matmul
+            flat,
+            sum(self.out_dims),
+            lambda: ops.concat([m.kernel_call(flat) for m in members], axis=-1),
+            lambda: self.dense_call(flat),
+        )
+        return ops.reshape(y, [*lead, sum(self.out_dims)]) if x.rank != 2 else y
+
+    def dense_call(self, x: TensorValue) -> TensorValue:
+        """The members' dense weights concatenated, one matmul, then each theta member's row
+        scale and correction on its columns; fused members (each ``W^T`` written by
+        ``nvfp4_dequantize``) one matmul each, side by side."""
+        members = self.members
+        if all(m.fused for m in members):
+            return ops.concat([m.dense_call(x) for m in members], axis=-1)
         W = ops.concat([m.dequantized(x.device) for m in members], axis=0)
         h = x @ W.T
         if not any(m.theta for m in members):
             return h
         outs, start = [], 0
-        for m in members:  # each member's row scale and correction on its columns
+        for m in members:
             outs.append(m.finish(h[..., start : start + m.out_dim], x))
             start += m.out_dim
         return ops.concat(outs, axis=-1)
