@@ -10,7 +10,8 @@
 #   1b. tests/test_gpu.py -m gpu -k linear_nvfp4 (issue 15): the GPU variant of the fused
 #      generated_linear_nvfp4 (packed E2M1 codes and E4M3 scales decoded in registers, plus s and
 #      the rank-r correction) against the float64 identity over the numpy-dequantized weight, ranks
-#      0/16/64, batches 1/16, decode shapes of a 1B model; one graph -> $OUT/kernels_gpu_errors.json
+#      0/16/64, batches 1/16, decode shapes of a 1B model; in the same graph nvfp4_dequantize
+#      (the W^T a prefill multiplies by) bit for bit; one graph -> $OUT/kernels_gpu_errors.json
 #   2. tests/test_gpu.py -m gpu -k "nvfp4 and not linear_nvfp4": the demo model served with ATTNQUANT_QUANT=nvfp4
 #      (emulated: packed weights dequantized in the graph) against the unquantized model on
 #      devices="gpu": max |logprob delta|, greedy agreement, weight bytes; encoding float32, else

@@ -14,7 +14,9 @@ Every test here is marked ``gpu`` and skipped, with the reason, where MAX sees n
   the graph, so no zero-byte buffer is ever copied to the device.
 * ``generated_linear_nvfp4`` (issue 15) placed on the GPU, the same way: packed NVFP4 weight,
   ``s`` and the rank-``r`` correction against the float64 identity over the numpy-dequantized
-  weight (float32 within 1e-4, bfloat16 inputs within 2e-2), one graph.
+  weight (float32 within 1e-4, bfloat16 inputs within 2e-2), one graph; in the same graph
+  ``nvfp4_dequantize`` (the float weight a long prefill multiplies by), bit for bit the numpy
+  one, and transposed in bfloat16.
 * The demo model served with ``ATTNQUANT_QUANT=nvfp4`` (the emulated path: packed weights
   dequantized in the graph) against the unquantized model on ``devices="gpu"``: logit parity and
   the weights held. ``quantization_encoding="float32"`` first, ``"bfloat16"`` when that fails.
