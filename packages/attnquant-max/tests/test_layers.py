@@ -329,13 +329,14 @@ NVFP4_THETA_SHAPES = {"a": (48, FFL, 4), "b": (32, FFL, 0), "c": (80, FFL, 72)}
 
 
 def _nvfp4_theta_branch(
-    *, fused_c: bool, prefix: str
+    *, fused_c: bool, prefix: str, fused_ab: bool = False
 ) -> tuple[Any, dict[str, Any], dict[str, np.ndarray]]:
     """The NVFP4-``W0`` theta layers (``NVFP4Linear`` with ``theta``, ``band``, ``rank``), their
     weights under ``prefix`` and the numpy references (dequantized ``W0``, ``s``, ``U``, ``V``).
 
-    ``stacked`` (a, b: dequantize form), ``c_first`` (dequantize) and ``c_second`` (fused when
-    ``fused_c``) read one band weight ``c``, owned by the branch's ``bank``.
+    ``stacked`` (a, b: dequantize form, fused when ``fused_ab``), ``c_first`` (dequantize) and
+    ``c_second`` (fused when ``fused_c``) read one band weight ``c``, owned by the branch's
+    ``bank``.
     """
     from max.dtype import DType
     from max.graph import DeviceRef
@@ -382,7 +383,9 @@ def _nvfp4_theta_branch(
 
     packed = {n: band(n, o, i) for n, (o, i, _) in NVFP4_THETA_SHAPES.items()}
     # NVFP4StackedLinear leaves its own name out of its members' weight names: "a.theta_s".
-    branch.stacked = NVFP4StackedLinear([theta(n, n, False, packed[n]) for n in "ab"], ["a", "b"])
+    branch.stacked = NVFP4StackedLinear(
+        [theta(n, n, fused_ab, packed[n]) for n in "ab"], ["a", "b"]
+    )
     branch.c_first = theta("c_first", "c", False, packed["c"])
     branch.c_second = theta("c_second", "c", fused_c, packed["c"])
     return branch, state, reference
@@ -412,6 +415,50 @@ def test_fused_nvfp4_theta_layer_above_the_kernel_rank_adds_its_correction_as_tw
     assert sum(count_matmuls(text).values()) == 2
     assert text.count('"nvfp4_theta.c_second.theta_U"') == 1
     assert text.count('"nvfp4_theta.c_second.theta_V"') == 1
+
+
+@pytest.mark.slow
+def test_fused_nvfp4_theta_layers_branch_on_the_rows_and_match_the_identity() -> None:
+    """Symbolic rows, one compiled graph: the fused stacked a (r = 4) and b (r = 0) run the op
+    at 3 rows and, from DENSE_FROM_ROWS rows on, nvfp4_dequantize's W^T and the stock matmul;
+    c (r = 72, above the op's limit) runs the op and its correction's two matmuls at every
+    batch. All against ``s * (x W0^T) + (x V) U^T`` in numpy. Each on its own input: matmuls on
+    one input inside and outside a cond do not compile in MAX 26.7 (see ``by_rows``), and no
+    model feeds one input to both."""
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from attnquant_kernels import kernels_path
+    from attnquant_max._nvfp4_layers import DENSE_FROM_ROWS
+
+    branch, state, ref = _nvfp4_theta_branch(fused_c=True, fused_ab=True, prefix="nvfp4_rows")
+    root = _Holder.make()
+    root.nvfp4_rows = branch
+    root.load_state_dict(state, strict=True)
+    x_type = TensorType(DType.float32, ["rows", FFL], DeviceRef.CPU())
+    graph = Graph(
+        "nvfp4_theta_rows",
+        lambda x, x2: (branch.stacked(x.tensor), branch.c_second(x2.tensor)),
+        [x_type, x_type],
+        custom_extensions=[kernels_path()],
+    )
+    text = str(graph)
+    assert text.count('"nvfp4_dequantize"') == 2 and text.count("mo.if") == 1  # a and b
+    model = InferenceSession(devices=[CPU()]).load(graph, weights_registry=root.state_dict())
+
+    def identity(x: np.ndarray, W0: np.ndarray, p: str) -> np.ndarray:
+        y = ref[f"{p}.theta_s"] * (x.astype(np.float64) @ W0.T)
+        return y + (x @ ref[f"{p}.theta_V"]) @ ref[f"{p}.theta_U"].T if f"{p}.theta_U" in ref else y
+
+    rng = np.random.default_rng(9)
+    for rows in (3, DENSE_FROM_ROWS + 6):
+        x = rng.standard_normal((rows, FFL)).astype(np.float32)
+        ab, c = (o.to_numpy() for o in model.execute(Buffer.from_numpy(x), Buffer.from_numpy(x)))
+        want_ab = np.concatenate([identity(x, ref[n], n) for n in "ab"], axis=1)
+        for got, want in ((ab, want_ab), (c, identity(x, ref["c"], "c_second"))):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 def _run(

@@ -99,7 +99,9 @@ def by_rows(
     (a static ``M`` picks its branch when the graph is built).
 
     The branches must only use graph values made before the call (weights are placed at the
-    top of the graph, so they are safe to name inside either).
+    top of the graph, so they are safe to name inside either), and must share no op: MAX 26.7
+    merges an op that both branches compute into one that neither dominates, and the graph then
+    fails to compile ("operand does not dominate this use").
     """
     if isinstance(x.shape[0], StaticDim):
         return small() if int(x.shape[0]) < DENSE_FROM_ROWS else large()
@@ -245,28 +247,37 @@ class NVFP4Linear(Module):
         y = h * self.theta_s.to(x.device)
         return y + self.correction(x) if self.rank else y
 
+    @property
+    def branches(self) -> bool:
+        """Fused, with the whole correction inside the op: the rows pick the op or the dense
+        matmul (:func:`by_rows`). Above the op's rank limit the correction's matmuls on ``x``
+        would sit beside the dense branch's, which MAX 26.7 cannot compile (see
+        :func:`by_rows`), so such a projection runs the op at every batch."""
+        return self.fused and self.rank <= MAX_RANK
+
     def dense_call(self, x: TensorValue) -> TensorValue:
         """The projection over the dense weight: one matmul, then the row scale and correction."""
         return self.finish(self.matmul(x), x)
 
     def kernel_call(self, flat: TensorValue) -> TensorValue:
-        """The projection of ``flat [M, in]`` as one ``generated_linear_nvfp4`` dispatch."""
+        """The projection of ``flat [M, in]`` as one ``generated_linear_nvfp4`` dispatch (above
+        the op's rank limit, the correction as two matmuls after it)."""
         s = TensorValue(self.theta_s).to(flat.device) if self.theta else None
         in_kernel = 0 < self.rank <= MAX_RANK
         U = TensorValue(self.theta_U).to(flat.device) if in_kernel else None
         V = TensorValue(self.theta_V).to(flat.device) if in_kernel else None
         y = generated_linear_nvfp4(flat, *self._packed(flat.device), s, U, V)
-        if self.rank > MAX_RANK:  # above the kernel's rank limit: the correction as two matmuls
+        if self.rank > MAX_RANK:
             y = y + self.correction(flat)
         return y
 
     def fused_call(self, x: TensorValue, *, branch: bool = True) -> TensorValue:
         """The fused projection (leading dims folded): the op below :data:`DENSE_FROM_ROWS`
         rows, the dense weight and one matmul from there on (:func:`by_rows`); the op at
-        every batch with ``branch=False``."""
+        every batch with ``branch=False`` or where it does not :attr:`branches`."""
         lead = list(x.shape[:-1])
         flat = ops.reshape(x, [-1, self.in_dim]) if x.rank != 2 else x
-        if branch:
+        if branch and self.branches:
             y = by_rows(
                 flat, self.out_dim, lambda: self.kernel_call(flat), lambda: self.dense_call(flat)
             )
@@ -315,21 +326,21 @@ class NVFP4StackedLinear(Module):
             return self.dense_call(x)
         lead = list(x.shape[:-1])
         flat = ops.reshape(x, [-1, members[0].in_dim]) if x.rank != 2 else x
-        y = by_rows(  # one fused dispatch per member, outputs side by side; or one matmul
-            flat,
-            sum(self.out_dims),
-            lambda: ops.concat([m.kernel_call(flat) for m in members], axis=-1),
-            lambda: self.dense_call(flat),
-        )
+        if not all(m.branches for m in members):  # the op at every batch (see branches)
+            y = ops.concat([m.kernel_call(flat) for m in members], axis=-1)
+        else:  # one fused dispatch per member, outputs side by side; or one matmul each
+            y = by_rows(
+                flat,
+                sum(self.out_dims),
+                lambda: ops.concat([m.kernel_call(flat) for m in members], axis=-1),
+                lambda: ops.concat([m.dense_call(flat) for m in members], axis=-1),
+            )
         return ops.reshape(y, [*lead, sum(self.out_dims)]) if x.rank != 2 else y
 
     def dense_call(self, x: TensorValue) -> TensorValue:
         """The members' dense weights concatenated, one matmul, then each theta member's row
-        scale and correction on its columns; fused members (each ``W^T`` written by
-        ``nvfp4_dequantize``) one matmul each, side by side."""
+        scale and correction on its columns."""
         members = self.members
-        if all(m.fused for m in members):
-            return ops.concat([m.dense_call(x) for m in members], axis=-1)
         W = ops.concat([m.dequantized(x.device) for m in members], axis=0)
         h = x @ W.T
         if not any(m.theta for m in members):
