@@ -78,15 +78,20 @@ def e4m3_half_table() -> List[Float32]:
 
 
 @always_inline
+def e2m1_x2_block(w: Ptr[U8], b: Int) -> SIMD[F32, QBLOCK]:
+    """Twice the 16 E2M1 values of block `b` of one row (whole numbers, exact in float32)."""
+    var packed = w.unsafe_load[width=8](b * 8)
+    var codes = (packed & 0x0F).interleave(packed >> 4)  # element order
+    var q = bitcast[DType.int8, 16](E2M1_X2._dynamic_shuffle(codes))
+    return q.cast[F32]()
+
+
+@always_inline
 def _decode_block(
     w: Ptr[U8], scale: Ptr[U8], table: Ptr[F32], b: Int
 ) -> SIMD[F32, QBLOCK]:
     """The 16 weights of block `b` of one row, without scale_2, in float32."""
-    var packed = w.unsafe_load[width=8](b * 8)
-    var codes = (packed & 0x0F).interleave(packed >> 4)  # element order
-    var q = bitcast[DType.int8, 16](E2M1_X2._dynamic_shuffle(codes))
-    var step = table.unsafe_load(Int(scale.unsafe_load(b)))
-    return q.cast[F32]() * step
+    return e2m1_x2_block(w, b) * table.unsafe_load(Int(scale.unsafe_load(b)))
 
 
 @always_inline

@@ -15,7 +15,6 @@
 
 from std.collections import Array
 from std.math import ceildiv
-from std.memory import bitcast
 
 import extensibility as compiler
 from extensibility import InputTensor, OutputTensor
@@ -26,7 +25,7 @@ from max.gpu.host.info import is_cpu, is_gpu
 
 from ._common import F32, Ptr, check_dim, row_stride
 from ._gpu import BLOCK
-from ._nvfp4 import E2M1_X2, QBLOCK, U8, e2m1_x2, e4m3_half, e4m3_half_table
+from ._nvfp4 import QBLOCK, U8, e2m1_x2, e2m1_x2_block, e4m3_half, e4m3_half_table
 
 comptime OP = "nvfp4_dequantize"
 # Weight rows per parallel work item on the CPU (and the side of a transposed tile).
@@ -38,10 +37,7 @@ comptime BLOCKS_T = 8
 @always_inline
 def _values(w: Ptr[U8], b: Int) -> SIMD[F32, QBLOCK]:
     """The 16 E2M1 values of block `b` of one row (exact in float32)."""
-    var packed = w.unsafe_load[width=8](b * 8)
-    var codes = (packed & 0x0F).interleave(packed >> 4)
-    var q = bitcast[DType.int8, 16](E2M1_X2._dynamic_shuffle(codes))
-    return q.cast[F32]() * 0.5
+    return e2m1_x2_block(w, b) * 0.5
 
 
 @always_inline
