@@ -112,6 +112,17 @@ def by_rows(
     return y
 
 
+def on_rows(
+    x: TensorValue, in_dim: int, out_dim: int, fn: Callable[[TensorValue], TensorValue]
+) -> TensorValue:
+    """``fn`` of ``x`` with its leading dimensions folded into rows (``[M, in_dim]`` in,
+    ``[M, out_dim]`` out), unfolded again after."""
+    if x.rank == 2:
+        return fn(x)
+    lead = list(x.shape[:-1])
+    return ops.reshape(fn(ops.reshape(x, [-1, in_dim])), [*lead, out_dim])
+
+
 def packed_specs(out_dim: int, in_dim: int) -> tuple[tuple[DType, list[int]], ...]:
     """dtype and shape of the three weights holding an NVFP4 ``[out_dim, in_dim]`` weight, in
     :data:`attnquant_core.io.NVFP4_PARTS` order: the packed codes, the E4M3 block scales as
@@ -275,15 +286,16 @@ class NVFP4Linear(Module):
         """The fused projection (leading dims folded): the op below :data:`DENSE_FROM_ROWS`
         rows, the dense weight and one matmul from there on (:func:`by_rows`); the op at
         every batch with ``branch=False`` or where it does not :attr:`branches`."""
-        lead = list(x.shape[:-1])
-        flat = ops.reshape(x, [-1, self.in_dim]) if x.rank != 2 else x
-        if branch and self.branches:
-            y = by_rows(
+        if not (branch and self.branches):
+            return on_rows(x, self.in_dim, self.out_dim, self.kernel_call)
+        return on_rows(
+            x,
+            self.in_dim,
+            self.out_dim,
+            lambda flat: by_rows(
                 flat, self.out_dim, lambda: self.kernel_call(flat), lambda: self.dense_call(flat)
-            )
-        else:
-            y = self.kernel_call(flat)
-        return ops.reshape(y, [*lead, self.out_dim]) if x.rank != 2 else y
+            ),
+        )
 
     def __call__(self, x: TensorValue) -> TensorValue:
         if self.fused:
@@ -324,18 +336,22 @@ class NVFP4StackedLinear(Module):
         members = self.members
         if not all(m.fused for m in members):
             return self.dense_call(x)
-        lead = list(x.shape[:-1])
-        flat = ops.reshape(x, [-1, members[0].in_dim]) if x.rank != 2 else x
-        if not all(m.branches for m in members):  # the op at every batch (see branches)
-            y = ops.concat([m.kernel_call(flat) for m in members], axis=-1)
-        else:  # one fused dispatch per member, outputs side by side; or one matmul each
-            y = by_rows(
+        out_dim = sum(self.out_dims)
+
+        def rows(flat: TensorValue) -> TensorValue:
+            def kernel() -> TensorValue:  # one fused dispatch per member, side by side
+                return ops.concat([m.kernel_call(flat) for m in members], axis=-1)
+
+            if not all(m.branches for m in members):  # the op at every batch (see branches)
+                return kernel()
+            return by_rows(
                 flat,
-                sum(self.out_dims),
-                lambda: ops.concat([m.kernel_call(flat) for m in members], axis=-1),
+                out_dim,
+                kernel,
                 lambda: ops.concat([m.dense_call(flat) for m in members], axis=-1),
             )
-        return ops.reshape(y, [*lead, sum(self.out_dims)]) if x.rank != 2 else y
+
+        return on_rows(x, members[0].in_dim, out_dim, rows)
 
     def dense_call(self, x: TensorValue) -> TensorValue:
         """The members' dense weights concatenated, one matmul, then each theta member's row
