@@ -64,6 +64,11 @@ def test_linear_matches_the_identity_over_ranks_and_batches(linear: OpModel, ran
         (4, 1024, 256, 64),  # a real projection width
         (64, 300, 130, 64),  # largest batch, several parallel blocks
         (1, 1024, 4096, 16),  # decode, MLP-sized output
+        # From 32 rows on: panels of 64 (AVX-512) or 16 output columns written once, register
+        # tiles of 6 rows; the columns past the last whole panel as above.
+        (32, 32, 64, 0),  # one whole panel
+        (70, 100, 130, 5),  # K with a tail of 4 past its 16 x 16 tiles, a 2-column tail
+        (512, 256, 192, 16),  # a prefill
     ],
 )
 @pytest.mark.xdist_group("linear")
@@ -119,6 +124,8 @@ def test_mlp_matches_silu_and_gelu_references(mlp: OpModel, rank: int, batch: in
         (3, 33, 70, (1, 7, 16)),  # a different rank per projection
         (5, 128, 512, (64, 0, 5)),
         (2, 256, 1024, (16, 16, 16)),
+        (40, 96, 200, (3, 64, 0)),  # panels for gate/up and down, tails, a tile of 4 rows
+        (512, 128, 256, (16, 16, 16)),  # a prefill
     ],
 )
 @pytest.mark.xdist_group("mlp")

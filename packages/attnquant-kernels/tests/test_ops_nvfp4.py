@@ -50,6 +50,12 @@ def linear_nvfp4() -> OpModel:
         (16, 1024, 256, 16),
         (64, 256, 40, 0),  # a whole batch block
         (70, 32, 18, 3),  # two batch blocks
+        # From 16 rows on: panels of 64 (AVX-512) or 16 output columns decoded once, then
+        # register tiles of 6 rows; the columns past the last whole panel as above.
+        (16, 48, 64, 0),  # one whole panel, two tiles of 6 and one of 4
+        (23, 64, 130, 5),  # two panels and a 2-column tail, a tile of 5 rows left
+        (41, 32, 200, 64),  # largest rank: 64 more steps of every tile
+        (512, 512, 192, 16),  # a prefill
     ],
 )
 @pytest.mark.xdist_group("linear_nvfp4")
@@ -61,7 +67,7 @@ def test_linear_nvfp4_matches_dequantize_then_identity(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    M=st.integers(1, 40),
+    M=st.integers(1, 80),
     blocks=st.integers(1, 12),
     N=st.integers(1, 140),
     R=st.integers(0, MAX_RANK),

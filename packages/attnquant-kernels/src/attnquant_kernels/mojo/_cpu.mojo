@@ -15,6 +15,7 @@ from std.sys import simd_width_of
 from max.algorithm import parallelize
 
 from ._common import F32, GATE_MUL, STORE, Ptr, activate
+from ._panel import PANEL_FROM_ROWS, PW, fill_panel, panel_rows
 
 # SIMD lanes of float32 on this CPU (8 on AVX2, 16 on AVX-512).
 comptime SW = simd_width_of[F32]()
@@ -237,6 +238,43 @@ def project_cpu[
     parallelize(row, M)
 
 
+def theta_panels[
+    xdt: DType, wdt: DType, odt: DType, combine: Int, act: Int
+](
+    x: Ptr[xdt],
+    xs: Int,
+    M: Int,
+    K: Int,
+    w0: Ptr[wdt],
+    w0s: Int,
+    s: Ptr[wdt],
+    u: Ptr[wdt],
+    us: Int,
+    t: Ptr[F32],
+    r: Int,
+    N: Int,
+    dst: Ptr[odt],
+    os: Int,
+) -> Int:
+    """From PANEL_FROM_ROWS rows on, `theta_block`'s outputs for the columns of every whole
+    panel (_panel.mojo: one work item per PW columns, the block and U written into a scratch
+    once); returns the first column left to the dot-product tiles (0 below PANEL_FROM_ROWS)."""
+    if M < PANEL_FROM_ROWS:
+        return 0
+    var panels = N // PW
+
+    def item(i: Int) {var}:
+        var buf = List[Float32](unsafe_uninit_length=(K + r) * PW)
+        var panel = buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+        fill_panel[wdt](w0, w0s, s, u, us, r, K, i * PW, panel)
+        panel_rows[xdt, odt, combine, act](x, xs, t, r, panel, K, dst, os, M, i * PW)
+        _ = buf^
+
+    if panels > 0:
+        parallelize(item, panels)
+    return panels * PW
+
+
 def theta_linear_cpu[
     xdt: DType, wdt: DType, odt: DType
 ](
@@ -256,15 +294,20 @@ def theta_linear_cpu[
     dst: Ptr[odt],
     os: Int,
 ):
-    """`dst = s * (x @ W0^T) + (x @ V) @ U^T` for one projection."""
+    """`dst = s * (x @ W0^T) + (x @ V) @ U^T` for one projection: panels from PANEL_FROM_ROWS
+    rows on, the dot-product tiles for the columns past the last whole panel (or every column
+    below)."""
     if M == 0 or N == 0:
         return
     var t_buf = List[Float32](length=max(M * r, 1), fill=0)
     var t = t_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
     project_cpu[xdt, wdt](x, xs, M, K, v, vs, r, t, r)
+    var n_tail = theta_panels[xdt, wdt, odt, STORE, 0](
+        x, xs, M, K, w0, w0s, s, u, us, t, r, N, dst, os
+    )
 
     var m_blocks = ceildiv(M, M_BLOCK)
-    var n_blocks = ceildiv(N, N_BLOCK)
+    var n_blocks = ceildiv(N - n_tail, N_BLOCK)
 
     def item(i: Int) {var}:
         var bn = i // m_blocks
@@ -285,11 +328,12 @@ def theta_linear_cpu[
             K,
             bm * M_BLOCK,
             min(M, (bm + 1) * M_BLOCK),
-            bn * N_BLOCK,
-            min(N, (bn + 1) * N_BLOCK),
+            n_tail + bn * N_BLOCK,
+            min(N, n_tail + (bn + 1) * N_BLOCK),
         )
 
-    parallelize(item, n_blocks * m_blocks)
+    if n_tail < N:
+        parallelize(item, n_blocks * m_blocks)
     _ = t_buf^
 
 
@@ -344,17 +388,25 @@ def theta_mlp_cpu[
     project_cpu[xdt, wdt](x, xs, M, H, v_g, v_gs, r_g, t_g, r_g)
     project_cpu[xdt, wdt](x, xs, M, H, v_u, v_us, r_u, t_u, r_u)
 
+    # Panels (from PANEL_FROM_ROWS rows on): gate into h, then up times act(h) in a second
+    # pass; the columns left as below.
+    var f_tail = theta_panels[xdt, wdt, F32, STORE, 0](
+        x, xs, M, H, w0_g, w0_gs, s_g, u_g, u_gs, t_g, r_g, F, h, F
+    )
+    _ = theta_panels[xdt, wdt, F32, GATE_MUL, act](
+        x, xs, M, H, w0_u, w0_us, s_u, u_u, u_us, t_u, r_u, F, h, F
+    )
     var m_blocks = ceildiv(M, M_BLOCK)
     # gate then up over the same block of F: h = act(gate) * up, block-local.
-    var f_blocks = ceildiv(F, N_BLOCK)
+    var f_blocks = ceildiv(F - f_tail, N_BLOCK)
 
     def gate_up(i: Int) {var}:
         var bn = i // m_blocks
         var bm = i % m_blocks
         var m0 = bm * M_BLOCK
         var m1 = min(M, (bm + 1) * M_BLOCK)
-        var n0 = bn * N_BLOCK
-        var n1 = min(F, (bn + 1) * N_BLOCK)
+        var n0 = f_tail + bn * N_BLOCK
+        var n1 = min(F, f_tail + (bn + 1) * N_BLOCK)
         theta_block[xdt, wdt, F32, STORE, 0](
             x,
             xs,
@@ -394,11 +446,14 @@ def theta_mlp_cpu[
             n1,
         )
 
-    if F > 0:
+    if f_tail < F:
         parallelize(gate_up, f_blocks * m_blocks)
 
     project_cpu[F32, wdt](h, F, M, F, v_d, v_ds, r_d, t_d, r_d)
-    var h_blocks = ceildiv(H, N_BLOCK)
+    var h_tail = theta_panels[F32, wdt, odt, STORE, 0](
+        h, F, M, F, w0_d, w0_ds, s_d, u_d, u_ds, t_d, r_d, H, dst, os
+    )
+    var h_blocks = ceildiv(H - h_tail, N_BLOCK)
 
     def down(i: Int) {var}:
         var bn = i // m_blocks
@@ -419,11 +474,12 @@ def theta_mlp_cpu[
             F,
             bm * M_BLOCK,
             min(M, (bm + 1) * M_BLOCK),
-            bn * N_BLOCK,
-            min(H, (bn + 1) * N_BLOCK),
+            h_tail + bn * N_BLOCK,
+            min(H, h_tail + (bn + 1) * N_BLOCK),
         )
 
-    parallelize(down, h_blocks * m_blocks)
+    if h_tail < H:
+        parallelize(down, h_blocks * m_blocks)
     _ = h_buf^
     _ = t_g_buf^
     _ = t_u_buf^

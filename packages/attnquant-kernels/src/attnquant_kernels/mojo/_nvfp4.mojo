@@ -11,27 +11,24 @@
 # with x accumulates in float32. So a decode step reads 4.5 bits per weight.
 #
 # Then, as generated_linear: y[m, n] = s[n] * scale_2 * <W'[n, :], x[m, :]> + <U[n, :], t[m, :]>,
-# t = x @ V, where W' is the weight without scale_2.
+# t = x @ V, where W' is the weight without scale_2. These are the decode tiles; the CPU entry
+# (`nvfp4_linear_cpu`, _nvfp4_cpu.mojo) runs a GEMM over decoded panels from 16 rows on.
 
 from std.collections import Array
 from std.math import ceildiv, fma
 from std.memory import bitcast
 from std.sys import simd_width_of
 
-from max.algorithm import parallelize
 from max.gpu import global_idx
 from max.gpu.host import DeviceContext
 
 from ._common import F32, Ptr
 from ._cpu import (
     MR,
-    M_BLOCK,
     NR,
     NR1,
-    N_BLOCK,
     _dot_rank,
     _dot_tile,
-    project_cpu,
 )
 from ._gpu import BLOCK, _project_gpu
 
@@ -326,74 +323,6 @@ def _nvfp4_block[
                     t, r, dst, os, K, m, n,
                 )
             n += 1
-
-
-def nvfp4_linear_cpu[
-    xdt: DType, sdt: DType, odt: DType
-](
-    x: Ptr[xdt],
-    xs: Int,
-    M: Int,
-    K: Int,
-    w: Ptr[U8],
-    ws: Int,
-    scale: Ptr[U8],
-    ss: Int,
-    scale_2: Float32,
-    s: Ptr[sdt],
-    s_step: Int,
-    u: Ptr[sdt],
-    us: Int,
-    v: Ptr[sdt],
-    vs: Int,
-    r: Int,
-    N: Int,
-    dst: Ptr[odt],
-    os: Int,
-):
-    """`dst = s * (x @ W^T) + (x @ V) @ U^T`, `W` the NVFP4 weight; `K` a multiple of 16.
-    """
-    if M == 0 or N == 0:
-        return
-    var table_buf = e4m3_half_table()
-    var table = table_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    var t_buf = List[Float32](length=max(M * r, 1), fill=0)
-    var t = t_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-    project_cpu[xdt, sdt](x, xs, M, K, v, vs, r, t, r)
-
-    var m_blocks = ceildiv(M, M_BLOCK)
-    var n_blocks = ceildiv(N, N_BLOCK)
-
-    def item(i: Int) {var}:
-        var bn = i // m_blocks
-        var bm = i % m_blocks
-        _nvfp4_block[xdt, sdt, odt](
-            x,
-            xs,
-            w,
-            ws,
-            scale,
-            ss,
-            table,
-            scale_2,
-            s,
-            s_step,
-            u,
-            us,
-            t,
-            r,
-            dst,
-            os,
-            K,
-            bm * M_BLOCK,
-            min(M, (bm + 1) * M_BLOCK),
-            bn * N_BLOCK,
-            min(N, (bn + 1) * N_BLOCK),
-        )
-
-    parallelize(item, n_blocks * m_blocks)
-    _ = t_buf^
-    _ = table_buf^
 
 
 # ---------------------------------------------------------------- GPU

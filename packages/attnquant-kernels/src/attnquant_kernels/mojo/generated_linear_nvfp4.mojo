@@ -19,7 +19,8 @@ from max.gpu.host import DeviceContext
 from max.gpu.host.info import is_cpu, is_gpu
 
 from ._common import check_dim, check_rank, row_stride
-from ._nvfp4 import QBLOCK, nvfp4_linear_cpu, nvfp4_linear_gpu
+from ._nvfp4 import QBLOCK, nvfp4_linear_gpu
+from ._nvfp4_cpu import nvfp4_linear_cpu
 
 comptime OP = "generated_linear_nvfp4"
 

@@ -1,0 +1,155 @@
+# attnquant kernels: the fused NVFP4 projection on the CPU, for any number of rows.
+#
+#   y[m, n] = s[n] * scale_2 * <W'[n, :], x[m, :]> + <U[n, :], t[m, :]>,   t = x @ V
+#
+# Few rows (a decode step): `_nvfp4_block` (_nvfp4.mojo), each weight block decoded in
+# registers inside the dot products, so a step reads 4.5 bits per weight.
+#
+# From NVFP4_PANEL_FROM_ROWS (16) rows on (a prefill) the op is the panel GEMM of _panel.mojo:
+# the weight is decoded once per call, a panel of PW output columns at a time, into a scratch
+# that stays in L2 (`panel[k, c] = W[n0 + c, k] * s[n0 + c]`, then U's rows). Nothing the
+# size of W is ever written: the prefill pays no float weight in memory, only its FMAs.
+
+from std.collections import Array
+from std.math import ceildiv
+
+from max.algorithm import parallelize
+
+from ._common import F32, STORE, Ptr
+from ._cpu import M_BLOCK, N_BLOCK, project_cpu
+from ._nvfp4 import QBLOCK, U8, _nvfp4_block, e2m1_x2_block, e4m3_half_table
+from ._panel import (
+    NVFP4_PANEL_FROM_ROWS,
+    PW,
+    fill_correction,
+    panel_rows,
+    transpose16,
+)
+
+
+def _fill_panel[
+    sdt: DType
+](
+    w: Ptr[U8],
+    ws: Int,
+    scale: Ptr[U8],
+    ss: Int,
+    table: Ptr[F32],
+    scale_2: Float32,
+    s: Ptr[sdt],
+    s_step: Int,
+    u: Ptr[sdt],
+    us: Int,
+    r: Int,
+    K: Int,
+    n0: Int,
+    panel: Ptr[F32],
+):
+    """`panel[k, c]` = W[n0 + c, k] * s[n0 + c] for k < K, then `panel[K + q, c]` = U[n0 + c, q]
+    for q < r (row stride PW)."""
+    comptime assert PW % QBLOCK == 0, "a panel holds whole 16 x 16 tiles"
+    for g in range(PW // QBLOCK):
+        var c0 = g * QBLOCK
+        # Per column: s * scale_2 * 2 (the table holds half of each E4M3 value, the codes twice
+        # their E2M1 value: the product is the weight itself).
+        var f = Array[Float32, QBLOCK](fill=0)
+        comptime for i in range(QBLOCK):
+            f[i] = s.unsafe_load((n0 + c0 + i) * s_step).cast[F32]() * scale_2
+        for b in range(K // QBLOCK):
+            var rows = Array[SIMD[F32, QBLOCK], QBLOCK](fill=0)
+            comptime for i in range(QBLOCK):
+                var n = n0 + c0 + i
+                var step = table.unsafe_load(Int(scale.unsafe_load(n * ss + b))) * f[i]
+                rows[i] = e2m1_x2_block(w.unsafe_offset(n * ws), b) * step
+            var cols = transpose16(rows^)
+            comptime for j in range(QBLOCK):
+                panel.unsafe_store[width=QBLOCK]((b * QBLOCK + j) * PW + c0, cols[j])
+    fill_correction[sdt](u, us, r, K, n0, panel)
+
+
+def nvfp4_linear_cpu[
+    xdt: DType, sdt: DType, odt: DType
+](
+    x: Ptr[xdt],
+    xs: Int,
+    M: Int,
+    K: Int,
+    w: Ptr[U8],
+    ws: Int,
+    scale: Ptr[U8],
+    ss: Int,
+    scale_2: Float32,
+    s: Ptr[sdt],
+    s_step: Int,
+    u: Ptr[sdt],
+    us: Int,
+    v: Ptr[sdt],
+    vs: Int,
+    r: Int,
+    N: Int,
+    dst: Ptr[odt],
+    os: Int,
+):
+    """`dst = s * (x @ W^T) + (x @ V) @ U^T`, `W` the NVFP4 weight; `K` a multiple of 16.
+
+    Below NVFP4_PANEL_FROM_ROWS rows, work items of N_BLOCK x M_BLOCK outputs decoded in
+    registers; from there on, one work item per panel of PW columns over every row (the
+    columns past the last whole panel as below).
+    """
+    if M == 0 or N == 0:
+        return
+    var table_buf = e4m3_half_table()
+    var table = table_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var t_buf = List[Float32](length=max(M * r, 1), fill=0)
+    var t = t_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    project_cpu[xdt, sdt](x, xs, M, K, v, vs, r, t, r)
+
+    var panels = N // PW if M >= NVFP4_PANEL_FROM_ROWS else 0
+    var n_tail = panels * PW
+
+    def panel_item(i: Int) {var}:
+        var buf = List[Float32](unsafe_uninit_length=(K + r) * PW)
+        var panel = buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+        _fill_panel[sdt](
+            w, ws, scale, ss, table, scale_2, s, s_step, u, us, r, K, i * PW, panel
+        )
+        panel_rows[xdt, odt, STORE, 0](x, xs, t, r, panel, K, dst, os, M, i * PW)
+        _ = buf^
+
+    if panels > 0:
+        parallelize(panel_item, panels)
+
+    if n_tail < N:
+        var m_blocks = ceildiv(M, M_BLOCK)
+        var n_blocks = ceildiv(N - n_tail, N_BLOCK)
+
+        def item(i: Int) {var}:
+            var bn = i // m_blocks
+            var bm = i % m_blocks
+            _nvfp4_block[xdt, sdt, odt](
+                x,
+                xs,
+                w,
+                ws,
+                scale,
+                ss,
+                table,
+                scale_2,
+                s,
+                s_step,
+                u,
+                us,
+                t,
+                r,
+                dst,
+                os,
+                K,
+                bm * M_BLOCK,
+                min(M, (bm + 1) * M_BLOCK),
+                n_tail + bn * N_BLOCK,
+                min(N, n_tail + (bn + 1) * N_BLOCK),
+            )
+
+        parallelize(item, n_blocks * m_blocks)
+    _ = t_buf^
+    _ = table_buf^
