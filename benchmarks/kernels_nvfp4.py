@@ -6,12 +6,13 @@ every weight dimension static and the batch symbolic (one compiled graph per pat
 cached by MAX across runs).
 
 * ``fused``: ``generated_linear_nvfp4`` (attnquant-kernels), the packed codes decoded inside
-  the dot product: reads ``out * in * 9/16`` weight bytes per step (codes and E4M3 scales).
+  the dot product: reads ``out * in * 9/16`` weight bytes per step (codes and E4M3 scales);
+  from 16 rows on, a GEMM over panels of the weight decoded once per call.
 * ``deq``: what ``ATTNQUANT_QUANT=nvfp4`` serves today (``attnquant_max._nvfp4_layers``):
   ``dequantize_in_graph`` rebuilds ``W`` in float32 with two gathers and a multiply on every
   forward, then the stock matmul: reads the packed bytes, writes and reads ``W`` (at least
   ``out * in * (9/16 + 8)`` bytes).
-* ``dense``: what a long batch (a prefill) runs beside the fused op: ``nvfp4_dequantize``
+* ``dense``: what a long batch (a prefill) runs on an accelerator: ``nvfp4_dequantize``
   (attnquant-kernels) writes ``W^T`` in float32 once, then the stock matmul reads it: reads the
   packed bytes, writes and reads ``W``, as ``deq`` does, but with one SIMD pass instead of
   two gathers.

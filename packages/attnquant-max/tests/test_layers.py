@@ -329,14 +329,15 @@ NVFP4_THETA_SHAPES = {"a": (48, FFL, 4), "b": (32, FFL, 0), "c": (80, FFL, 72)}
 
 
 def _nvfp4_theta_branch(
-    *, fused_c: bool, prefix: str, fused_ab: bool = False
+    *, fused_c: bool, prefix: str, fused_ab: bool = False, dense_from_rows: int | None = None
 ) -> tuple[Any, dict[str, Any], dict[str, np.ndarray]]:
     """The NVFP4-``W0`` theta layers (``NVFP4Linear`` with ``theta``, ``band``, ``rank``), their
     weights under ``prefix`` and the numpy references (dequantized ``W0``, ``s``, ``U``, ``V``).
 
     ``stacked`` (a, b: dequantize form, fused when ``fused_ab``), ``c_first`` (dequantize) and
     ``c_second`` (fused when ``fused_c``) read one band weight ``c``, owned by the branch's
-    ``bank``.
+    ``bank``. The fused layers take ``dense_from_rows`` (``None``, the CPU's default: the op
+    at every batch).
     """
     from max.dtype import DType
     from max.graph import DeviceRef
@@ -369,7 +370,7 @@ def _nvfp4_theta_branch(
         out_dim, in_dim, rank = NVFP4_THETA_SHAPES[name]
         layer = NVFP4Linear(
             in_dim, out_dim, dtype=DType.float32, device=cpu, fused=fused, band=packed,
-            theta=True, rank=rank,
+            theta=True, rank=rank, dense_from_rows=dense_from_rows,
         )  # fmt: skip
         arrays = {"theta_s": (1 + rng.normal(0, 0.1, out_dim)).astype(np.float32)}
         if rank:
@@ -419,7 +420,9 @@ def test_fused_nvfp4_theta_layer_above_the_kernel_rank_adds_its_correction_as_tw
 
 @pytest.mark.slow
 def test_fused_nvfp4_theta_layers_branch_on_the_rows_and_match_the_identity() -> None:
-    """Symbolic rows, one compiled graph: the fused stacked a (r = 4) and b (r = 0) run the op
+    """Symbolic rows, one compiled graph, the branch an accelerator takes by default
+    (``dense_from_rows=DENSE_FROM_ROWS``; the CPU's op serves every batch, and the served model
+    tests cover it): the fused stacked a (r = 4) and b (r = 0) run the op
     at 3 rows and, from DENSE_FROM_ROWS rows on, nvfp4_dequantize's W^T and the stock matmul;
     c (r = 72, above the op's limit) runs the op and its correction's two matmuls at every
     batch. All against ``s * (x W0^T) + (x V) U^T`` in numpy. Each on its own input: matmuls on
@@ -433,7 +436,9 @@ def test_fused_nvfp4_theta_layers_branch_on_the_rows_and_match_the_identity() ->
     from attnquant_kernels import kernels_path
     from attnquant_max._nvfp4_layers import DENSE_FROM_ROWS
 
-    branch, state, ref = _nvfp4_theta_branch(fused_c=True, fused_ab=True, prefix="nvfp4_rows")
+    branch, state, ref = _nvfp4_theta_branch(
+        fused_c=True, fused_ab=True, prefix="nvfp4_rows", dense_from_rows=DENSE_FROM_ROWS
+    )
     root = _Holder.make()
     root.nvfp4_rows = branch
     root.load_state_dict(state, strict=True)

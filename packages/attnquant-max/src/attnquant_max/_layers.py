@@ -306,8 +306,9 @@ class ThetaStackedLinear(Module):
                 W = ops.concat([m.effective_weight(W0) for m, W0 in zip(members, W0s, strict=True)])
                 return x @ W.T
             # A fused NVFP4 member beside float ones runs the op at every batch: its many-row
-            # branch would put matmuls on x inside an ops.cond next to the float members' outside
-            # it, and MAX 26.7's compiler then fails ("operand does not dominate this use").
+            # branch (on an accelerator) would put matmuls on x inside an ops.cond next to the
+            # float members' outside it, and MAX 26.7's compiler then fails ("operand does not
+            # dominate this use").
             return ops.concat(
                 [
                     m.fused_call(x, branch=False)

@@ -23,14 +23,15 @@ stock one, and the dequantization costs one pass over ``W`` per projection per s
 With ``fused=True`` a projection is instead one ``generated_linear_nvfp4`` dispatch
 (attnquant-kernels), which decodes the packed codes inside its dot product and never writes
 ``W`` out: a decode step reads 4.5 bits per weight. :func:`nvfp4_fused` makes the choice once
-per process and device by timing both on one projection at start-up, and logs it. Decoding
-the codes in every dot product pays at a few tokens, where the weight bytes bound the step, and
-loses at many: the op's own GEMM tiles are no match for the stock matmul, so a 512-token prefill
-ran at 0.44x the float32 model's speed. So a fused projection branches on the tokens of the
-forward (``ops.cond``, both branches compiled into one graph): from :data:`DENSE_FROM_ROWS`
-rows on it writes its float weight once (``nvfp4_dequantize``, attnquant-kernels, bit for bit
-the reference's) and runs the stock matmul, below it dispatches the fused op. The threshold is
-the crossover measured by ``benchmarks/bench_kernels.py --sections nvfp4``.
+per process and device by timing both on one projection at start-up, and logs it. On the CPU
+the op serves every batch: from 16 rows on it decodes each panel of 64 output columns once per
+call and runs a register-tiled GEMM over it, as fast as the stock float32 matmul at 512 rows
+(``benchmarks/bench_kernels.py --sections nvfp4``). On an accelerator, whose op is one thread
+per output, a fused projection branches on the tokens of the forward (``ops.cond``, both
+branches compiled into one graph): from :data:`DENSE_FROM_ROWS` rows on it writes its float
+weight once (``nvfp4_dequantize``, attnquant-kernels, bit for bit the reference's) and runs the
+stock matmul, below it dispatches the fused op (``dense_from_rows`` sets the threshold, or
+turns the branch off or on, per layer).
 
 The same layer serves a theta checkpoint whose ``W0`` is stored in NVFP4 (format version 4)
 in the graph: ``theta=True`` adds the layer's ``theta_s`` (and, at ``rank > 0``, ``theta_U``,
@@ -48,6 +49,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 from max.dtype import DType
@@ -85,16 +87,20 @@ _E4M3_TABLE = E4M3_VALUES.astype(np.float32)
 #: One NVFP4 weight held elsewhere: ``(packed codes, E4M3 scale bytes, per-tensor scale)``.
 NVFP4Band = tuple[Weight, Weight, Weight]
 
-#: Rows (tokens of one forward) from which a fused NVFP4 projection writes its float weight
-#: once and runs the stock matmul instead of the fused op (the crossover measured on this
-#: project's CPU, see the module docstring).
+#: Rows (tokens of one forward) from which a fused NVFP4 projection on an accelerator writes its
+#: float weight once and runs the stock matmul instead of the fused op (the crossover of the
+#: op's register tiles on this project's CPU, before its panel GEMM; see the module docstring).
 DENSE_FROM_ROWS = 64
 
 
 def by_rows(
-    x: TensorValue, out_dim: int, small: Callable[[], TensorValue], large: Callable[[], TensorValue]
+    x: TensorValue,
+    out_dim: int,
+    small: Callable[[], TensorValue],
+    large: Callable[[], TensorValue],
+    from_rows: int = DENSE_FROM_ROWS,
 ) -> TensorValue:
-    """``small()`` when ``x [M, in]`` has fewer than :data:`DENSE_FROM_ROWS` rows, else
+    """``small()`` when ``x [M, in]`` has fewer than ``from_rows`` rows, else
     ``large()``: one ``ops.cond`` on ``M`` at run time, both ``[M, out_dim]`` of ``x``'s dtype
     (a static ``M`` picks its branch when the graph is built).
 
@@ -104,9 +110,9 @@ def by_rows(
     fails to compile ("operand does not dominate this use").
     """
     if isinstance(x.shape[0], StaticDim):
-        return small() if int(x.shape[0]) < DENSE_FROM_ROWS else large()
+        return small() if int(x.shape[0]) < from_rows else large()
     rows = ops.shape_to_tensor([x.shape[0]])  # int64 [1], on the host
-    pred = ops.reshape(rows >= DENSE_FROM_ROWS, [])
+    pred = ops.reshape(rows >= from_rows, [])
     out = TensorType(x.dtype, [x.shape[0], out_dim], device=x.device)
     (y,) = ops.cond(pred, [out], large, small)
     return y
@@ -156,9 +162,9 @@ def dequantize_in_graph(
 
 class NVFP4Linear(Module):
     """``y = x @ W^T`` with ``W`` held as NVFP4 (no bias): dequantized in the graph, or with
-    ``fused=True`` one ``generated_linear_nvfp4`` dispatch below :data:`DENSE_FROM_ROWS` rows
-    (from there on ``nvfp4_dequantize`` and one matmul); with ``theta=True`` the theta
-    projection ``y = s * (x W0^T) + (x V) U^T`` over an NVFP4 ``W0``.
+    ``fused=True`` one ``generated_linear_nvfp4`` dispatch (on an accelerator only below
+    :data:`DENSE_FROM_ROWS` rows, from there on ``nvfp4_dequantize`` and one matmul); with
+    ``theta=True`` the theta projection ``y = s * (x W0^T) + (x V) U^T`` over an NVFP4 ``W0``.
 
     Parameters
     ----------
@@ -168,9 +174,8 @@ class NVFP4Linear(Module):
         The activation dtype (the dequantized weight is cast to it; ``s``, ``U``, ``V`` are in it).
     device : DeviceRef
     fused : bool
-        Load the kernels: one ``generated_linear_nvfp4`` dispatch for a few rows, the weight
-        written by ``nvfp4_dequantize`` and one matmul for many; not: dequantize in the graph
-        with gathers, then one matmul, at every batch.
+        Load the kernels: one ``generated_linear_nvfp4`` dispatch (below ``dense_from_rows``);
+        not: dequantize in the graph with gathers, then one matmul, at every batch.
     band : NVFP4Band, optional
         The packed ``W0`` of this layer's band, registered by its owner (one copy per band);
         this module holds a reference. ``None``: the module owns ``weight``,
@@ -181,6 +186,10 @@ class NVFP4Linear(Module):
     rank : int
         With ``theta``: hold ``theta_U [out, r]`` and ``theta_V [in, r]`` and add ``(x V) U^T``
         (inside the fused op up to ``attnquant_kernels.MAX_RANK``, two matmuls above it).
+    dense_from_rows : int, None or "auto"
+        Fused: the rows from which the weight is written by ``nvfp4_dequantize`` and one stock
+        matmul runs instead of the op (:func:`by_rows`); ``None``: the op at every batch.
+        ``"auto"``: :data:`DENSE_FROM_ROWS` on an accelerator, ``None`` on the CPU.
     """
 
     def __init__(
@@ -194,9 +203,13 @@ class NVFP4Linear(Module):
         band: NVFP4Band | None = None,
         theta: bool = False,
         rank: int = 0,
+        dense_from_rows: int | Literal["auto"] | None = "auto",
     ) -> None:
         super().__init__()
         check_nvfp4_shape((out_dim, in_dim))
+        if dense_from_rows == "auto":
+            dense_from_rows = None if device.device_type.value == "cpu" else DENSE_FROM_ROWS
+        self.dense_from_rows = dense_from_rows
         if rank and not theta:
             raise ValueError("NVFP4Linear: a correction of rank > 0 needs theta=True")
         self.in_dim, self.out_dim, self.dtype, self.fused = in_dim, out_dim, dtype, fused
@@ -260,11 +273,11 @@ class NVFP4Linear(Module):
 
     @property
     def branches(self) -> bool:
-        """Fused, with the whole correction inside the op: the rows pick the op or the dense
-        matmul (:func:`by_rows`). Above the op's rank limit the correction's matmuls on ``x``
-        would sit beside the dense branch's, which MAX 26.7 cannot compile (see
-        :func:`by_rows`), so such a projection runs the op at every batch."""
-        return self.fused and self.rank <= MAX_RANK
+        """Fused, with a ``dense_from_rows`` and the whole correction inside the op: the rows
+        pick the op or the dense matmul (:func:`by_rows`). Above the op's rank limit the
+        correction's matmuls on ``x`` would sit beside the dense branch's, which MAX 26.7
+        cannot compile (see :func:`by_rows`), so such a projection runs the op at every batch."""
+        return self.fused and self.dense_from_rows is not None and self.rank <= MAX_RANK
 
     def dense_call(self, x: TensorValue) -> TensorValue:
         """The projection over the dense weight: one matmul, then the row scale and correction."""
@@ -283,9 +296,9 @@ class NVFP4Linear(Module):
         return y
 
     def fused_call(self, x: TensorValue, *, branch: bool = True) -> TensorValue:
-        """The fused projection (leading dims folded): the op below :data:`DENSE_FROM_ROWS`
-        rows, the dense weight and one matmul from there on (:func:`by_rows`); the op at
-        every batch with ``branch=False`` or where it does not :attr:`branches`."""
+        """The fused projection (leading dims folded): the op below ``dense_from_rows`` rows,
+        the dense weight and one matmul from there on (:func:`by_rows`); the op at every batch
+        with ``branch=False`` or where it does not :attr:`branches`."""
         if not (branch and self.branches):
             return on_rows(x, self.in_dim, self.out_dim, self.kernel_call)
         return on_rows(
@@ -293,7 +306,11 @@ class NVFP4Linear(Module):
             self.in_dim,
             self.out_dim,
             lambda flat: by_rows(
-                flat, self.out_dim, lambda: self.kernel_call(flat), lambda: self.dense_call(flat)
+                flat,
+                self.out_dim,
+                lambda: self.kernel_call(flat),
+                lambda: self.dense_call(flat),
+                self.dense_from_rows,
             ),
         )
 
@@ -306,8 +323,8 @@ class NVFP4Linear(Module):
 class NVFP4StackedLinear(Module):
     """Projections of one input (q/k/v, gate/up): dequantized, concatenated, one matmul (then
     each theta member's row scale and correction on its columns), or, fused, one dispatch each
-    below :data:`DENSE_FROM_ROWS` rows and one matmul each over ``nvfp4_dequantize``'s weights
-    from there on.
+    (on an accelerator only below the members' ``dense_from_rows``, from there on one matmul
+    each over ``nvfp4_dequantize``'s weights).
 
     The stock ``StackedLinear`` concatenates its members' weights the same way; its own
     attribute name is left out of the weight names (``self_attn.q_proj.weight``).
@@ -342,13 +359,15 @@ class NVFP4StackedLinear(Module):
             def kernel() -> TensorValue:  # one fused dispatch per member, side by side
                 return ops.concat([m.kernel_call(flat) for m in members], axis=-1)
 
-            if not all(m.branches for m in members):  # the op at every batch (see branches)
-                return kernel()
+            thresholds = {m.dense_from_rows for m in members}
+            if not all(m.branches for m in members) or len(thresholds) > 1:
+                return kernel()  # the op at every batch (see NVFP4Linear.branches)
             return by_rows(
                 flat,
                 out_dim,
                 kernel,
                 lambda: ops.concat([m.dense_call(flat) for m in members], axis=-1),
+                thresholds.pop(),
             )
 
         return on_rows(x, members[0].in_dim, out_dim, rows)
