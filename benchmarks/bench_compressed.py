@@ -15,9 +15,11 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 * ``nvfp4+r16``: ``decompose --quant nvfp4 --rank 16`` (format v4), served in the graph as stored
   (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``): the packed ``W0``, ``s``, ``U``, ``V`` of each projection
   in one fused ``generated_linear_nvfp4`` dispatch;
-* ``gguf q4_0``: what a CPU user picks instead for 4-bit: the same weights written as a GGUF
-  ``q4_0`` file (``gguf`` package, llama.cpp's layout) and served by MAX's own CPU 4-bit path
-  (the stock MAX Llama, every matrix including the embedding and head in q4_0).
+* ``gguf q4_0`` / ``gguf q4_k``: what a CPU user picks instead for 4-bit: the same weights
+  written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
+  (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served
+  by MAX's own CPU 4-bit path (the stock MAX Llama, every matrix including the embedding and
+  head in that encoding).
 
 For each: weight bytes the compiled model holds, decode tok/s at batch 1 (64 new tokens after a
 ``--prompt-tokens`` prompt), prefill tok/s of that prompt and time to first token, each as a ratio
@@ -44,7 +46,7 @@ from typing import Any
 import numpy as np
 from synthetic_llama import SHAPES, projection_shapes, write_gguf, write_synthetic
 
-VARIANTS = ("budget 0.7", "budget 0.5", "nvfp4", "nvfp4+r16", "gguf q4_0")
+VARIANTS = ("budget 0.7", "budget 0.5", "nvfp4", "nvfp4+r16", "gguf q4_0", "gguf q4_k")
 PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
 
 
@@ -61,9 +63,10 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def _table_bytes(shape: Any, variant: str | None) -> float:
-    """Bytes of one embedding (or head) table: float32 in every variant but GGUF ``q4_0``'s
-    (18 bytes a 32 weights)."""
-    return shape.vocab * shape.hidden * (18 / 32 if variant == "gguf q4_0" else 4)
+    """Bytes of one embedding (or head) table: float32 in every variant but the GGUF ones
+    (q4_0: 18 bytes a 32 weights; q4_k: 144 a 256)."""
+    per_weight = {"gguf q4_0": 18 / 32, "gguf q4_k": 144 / 256}.get(variant or "", 4)
+    return shape.vocab * shape.hidden * per_weight
 
 
 def streamed_bytes(held: int, shape: Any, variant: str | None = None) -> int:
@@ -83,7 +86,7 @@ def projection_bytes(held: int, shape: Any, variant: str | None = None) -> int:
     return held - int(tables * _table_bytes(shape, variant)) - norms
 
 
-def _stock_loaded(directory: Path, gguf: Path, *, max_length: int) -> Any:
+def _stock_loaded(directory: Path, gguf: Path, *, max_length: int, encoding: str = "q4_0") -> Any:
     """MAX's own Llama on a GGUF file (attnquant's architectures read safetensors only)."""
     from max.pipelines import AutoModel, AutoTokenizer
 
@@ -94,7 +97,7 @@ def _stock_loaded(directory: Path, gguf: Path, *, max_length: int) -> Any:
         max_batch_size=8,
         devices="cpu",
         max_length=max_length,
-        quantization_encoding="q4_0",
+        quantization_encoding=encoding,
         weight_path=[str(gguf)],
     )
     return LoadedModel(
@@ -135,14 +138,15 @@ def prepare(
             decompose_checkpoint(base_dir, out, blocks="layers", rank=16, quant="nvfp4")
         overrides = {"precompute_outside": False, "nvfp4_kernel": "fused"}
         return out, overrides, "in graph, packed W0 + s, U, V in fused generated_linear_nvfp4"
-    if variant == "gguf q4_0":
-        out = work / "gguf_q4_0"
+    if variant.startswith("gguf"):
+        quant = variant.split()[1]
+        out = work / f"gguf_{quant}"
         if not out.exists():
             out.mkdir()
             for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(base_dir / name, out / name)
-            write_gguf(base_dir, out / "model-q4_0.gguf", shape)
-        return out, {}, "MAX's CPU q4_0 (stock Llama)"
+            write_gguf(base_dir, out / f"model-{quant}.gguf", shape, quant=quant)
+        return out, {}, f"MAX's CPU {quant} (stock Llama)"
     raise ValueError(variant)
 
 
@@ -150,8 +154,10 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
     """Load ``variant``; where its in-graph path is refused, fall back to precompute-outside."""
     from attnquant_max import AttnquantConfig, load_pipeline
 
-    if variant == "gguf q4_0":
-        return _stock_loaded(path, path / "model-q4_0.gguf", max_length=common["max_length"]), how
+    if variant.startswith("gguf"):
+        quant = variant.split()[1]
+        gguf = path / f"model-{quant}.gguf"
+        return _stock_loaded(path, gguf, max_length=common["max_length"], encoding=quant), how
     try:
         return load_pipeline(path, config=replace(AttnquantConfig(), **overrides), **common), how
     except NotImplementedError as exc:

@@ -195,13 +195,67 @@ _GGUF_NAMES = {
 }
 
 
+#: Values per Q4_K super-block, and per sub-block of it (each with a 6-bit scale and min).
+QK_K, Q4_K_SUB = 256, 32
+
+
+def quantize_q4_k(W: np.ndarray) -> np.ndarray:
+    """``W [N, K]`` (``K`` a multiple of 256) in llama.cpp's ``Q4_K`` layout: uint8
+    ``[N, K / 256 * 144]``.
+
+    The ``gguf`` package dequantizes Q4_K but cannot write it, so this writes the layout
+    directly: per 256 values a float16 ``d`` and ``dmin``, 12 bytes packing eight 6-bit
+    scales and mins (one pair per 32 values), and 128 bytes of 4-bit codes, each value
+    ``d * sc * q - dmin * m``. The rounding is the plain one (each sub-block's range split into
+    15 steps, the scales then rounded to 6 bits), not llama.cpp's searched one, so its error is
+    an upper bound on what a llama.cpp file would carry; ``gguf.quants.dequantize`` reads it
+    back (``tests/test_bench_q4_k.py``).
+    """
+    W = np.asarray(W, np.float32)
+    N, K = W.shape
+    if K % QK_K:
+        raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} values, got {K}")
+    x = W.reshape(-1, QK_K // Q4_K_SUB, Q4_K_SUB)  # [blocks, 8, 32]
+    lo = np.minimum(x.min(axis=-1), 0.0)  # the min is subtracted: m >= 0
+    hi = x.max(axis=-1)
+    scale = (hi - lo) / 15  # per sub-block
+    mins = -lo
+    d = (scale.max(axis=-1) / 63).astype(np.float16)  # [blocks]
+    dmin = (mins.max(axis=-1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.rint(scale / d32), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin32 > 0, np.rint(mins / dmin32), 0).clip(0, 63).astype(np.uint8)
+        step = (d32 * sc)[..., None]
+        offset = (dmin32 * m)[..., None]
+        q = np.where(step > 0, np.rint((x + offset) / step), 0).clip(0, 15).astype(np.uint8)
+    # The 12 scale bytes (gguf.quants.Q4_K.get_scale_min read backwards): bytes 0-3 the low 6
+    # bits of scales 0-3 with the high 2 bits of scales 4-7 above; 4-7 the same for the mins;
+    # 8-11 the low 4 bits of scales 4-7 and, above, of mins 4-7.
+    packed = np.empty((x.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+    # Codes: per 64 values (sub-blocks 2i, 2i+1), byte l holds value l low and value 32 + l high.
+    pairs = q.reshape(-1, 4, 2, Q4_K_SUB)
+    codes = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(-1, 128)
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, codes],
+        axis=1,
+    )
+    return blocks.reshape(N, K // QK_K * 144)
+
+
 def write_gguf(checkpoint: Path, out: Path, shape: ModelShape, *, quant: str = "q4_0") -> int:
-    """Write ``checkpoint`` as a GGUF file with every matrix in ``quant`` (``q4_0``) and the
-    norms in float32, as MAX's CPU 4-bit Llama reads it; returns the tensor bytes written."""
+    """Write ``checkpoint`` as a GGUF file with every matrix in ``quant`` (``q4_0``, or ``q4_k``
+    by :func:`quantize_q4_k`) and the norms in float32, as MAX's CPU 4-bit Llama reads it;
+    returns the tensor bytes written."""
     import gguf
     from safetensors import safe_open
 
-    qtype = {"q4_0": gguf.GGMLQuantizationType.Q4_0}[quant]
+    qtype = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_k": gguf.GGMLQuantizationType.Q4_K}[quant]
+    file_type = {"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M}
+    quantize = quantize_q4_k if quant == "q4_k" else (lambda W: gguf.quants.quantize(W, qtype))
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_context_length(2048)
     writer.add_embedding_length(shape.hidden)
@@ -212,7 +266,7 @@ def write_gguf(checkpoint: Path, out: Path, shape: ModelShape, *, quant: str = "
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(500000.0)
     writer.add_vocab_size(shape.vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_file_type(file_type[quant])
     index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
     total = 0
     for key in sorted(index, key=_gguf_order):
@@ -224,7 +278,7 @@ def write_gguf(checkpoint: Path, out: Path, shape: ModelShape, *, quant: str = "
         elif key.endswith("k_proj.weight"):
             W = _permute_rope(W, shape.kv_heads)
         if W.ndim == 2:
-            data = gguf.quants.quantize(W, qtype)
+            data = quantize(W)
             writer.add_tensor(name, data, raw_dtype=qtype)
         else:
             data = W.astype(np.float32)
