@@ -23,7 +23,7 @@ from ._panel import (
     PW,
     fill_correction,
     panel_rows,
-    transpose16,
+    store_transposed,
 )
 
 
@@ -61,9 +61,7 @@ def _fill_panel[
                 var n = n0 + c0 + i
                 var step = table.unsafe_load(Int(scale.unsafe_load(n * ss + b))) * f[i]
                 rows[i] = e2m1_x2_block(w.unsafe_offset(n * ws), b) * step
-            var cols = transpose16(rows^)
-            comptime for j in range(QBLOCK):
-                panel.unsafe_store[width=QBLOCK]((b * QBLOCK + j) * PW + c0, cols[j])
+            store_transposed[F32](rows^, panel, PW, b * QBLOCK * PW + c0)
     fill_correction[sdt](u, us, r, K, n0, panel)
 
 

@@ -52,6 +52,17 @@ def transpose16(
     return r^
 
 
+@always_inline
+def store_transposed[
+    odt: DType
+](var rows: Array[SIMD[F32, TILE], TILE], dst: Ptr[odt], ds: Int, at: Int):
+    """`dst[at + j * ds + i] = rows[i][j]`: the 16 x 16 tile transposed in registers
+    (`transpose16`), then one 16-value store per output row (row stride `ds`)."""
+    var cols = transpose16(rows^)
+    comptime for j in range(TILE):
+        dst.unsafe_store[width=TILE](at + j * ds, cols[j].cast[odt]())
+
+
 def fill_correction[
     wdt: DType
 ](u: Ptr[wdt], us: Int, r: Int, K: Int, n0: Int, panel: Ptr[F32]):
@@ -87,9 +98,7 @@ def fill_panel[
             comptime for i in range(TILE):
                 var row = w0.unsafe_offset((n0 + c0 + i) * w0s + k0)
                 rows[i] = row.unsafe_load[width=TILE]().cast[F32]() * f[i]
-            var cols = transpose16(rows^)
-            comptime for j in range(TILE):
-                panel.unsafe_store[width=TILE]((k0 + j) * PW + c0, cols[j])
+            store_transposed[F32](rows^, panel, PW, k0 * PW + c0)
         for k in range(k_main, K):
             comptime for i in range(TILE):
                 var value = w0.unsafe_load((n0 + c0 + i) * w0s + k).cast[F32]() * f[i]

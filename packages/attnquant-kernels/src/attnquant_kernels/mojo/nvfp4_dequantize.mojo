@@ -26,7 +26,7 @@ from max.gpu.host.info import is_cpu, is_gpu
 from ._common import F32, Ptr, check_dim, row_stride
 from ._gpu import BLOCK
 from ._nvfp4 import QBLOCK, U8, e2m1_x2, e2m1_x2_block, e4m3_half, e4m3_half_table
-from ._panel import transpose16
+from ._panel import store_transposed
 
 comptime OP = "nvfp4_dequantize"
 # Weight rows per parallel work item on the CPU (and the side of a transposed tile).
@@ -63,15 +63,13 @@ def _transposed_tile[
     ds: Int,
 ):
     """`dst[16 b + j, n0 + i]` for the 16 x 16 tile of rows n0.. and block b: the 16 rows are
-    decoded into registers and transposed there (`transpose16`), then each output row gets its
-    16 values in one store."""
+    decoded into registers, transposed there and stored 16 values an output row
+    (`store_transposed`)."""
     var r = Array[SIMD[F32, QBLOCK], ROWS](fill=0)
     comptime for i in range(ROWS):
         var n = n0 + i
         r[i] = _values(w.unsafe_offset(n * ws), b) * _step(table, scale, n * ss + b, scale_2)
-    var t = transpose16(r^)
-    comptime for j in range(QBLOCK):
-        dst.unsafe_store[width=ROWS]((b * QBLOCK + j) * ds + n0, t[j].cast[odt]())
+    store_transposed[odt](r^, dst, ds, b * QBLOCK * ds + n0)
 
 
 def nvfp4_dequantize_cpu[
