@@ -140,18 +140,24 @@ def test_linear_nvfp4_kernel_refuses_bad_shapes(
 # ---------------------------------------------------------------- the Python wrapper (no compile)
 
 
-def _static(shapes_dtypes: Sequence[tuple[Sequence[int], str]]):
-    """Build (never compile) a graph around the wrapper with static input shapes."""
+def _types(shapes_dtypes: Sequence[tuple[Sequence[int], str]]) -> list:
+    """CPU tensor types of static ``(shape, dtype name)`` pairs."""
     from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
+    from max.graph import DeviceRef, TensorType
 
-    from attnquant_kernels.graph import generated_linear_nvfp4
-
-    types = [
+    return [
         TensorType(getattr(DType, dtype), list(shape), device=DeviceRef.CPU())
         for shape, dtype in shapes_dtypes
     ]
-    with Graph("aq_nvfp4_static", input_types=types) as g:
+
+
+def _static(shapes_dtypes: Sequence[tuple[Sequence[int], str]]):
+    """Build (never compile) a graph around the wrapper with static input shapes."""
+    from max.graph import Graph
+
+    from attnquant_kernels.graph import generated_linear_nvfp4
+
+    with Graph("aq_nvfp4_static", input_types=_types(shapes_dtypes)) as g:
         g.output(generated_linear_nvfp4(*(v.tensor for v in g.inputs)))
 
 
@@ -178,56 +184,34 @@ def test_wrapper_refuses_bad_static_shapes_and_dtypes(index, replacement, error,
         _static(shapes)
 
 
+#: The packed weight, block scales and tensor scale of a [4, 32] NVFP4 weight.
+GOOD_PACKED = [([4, 16], "uint8"), ([4, 2], "uint8"), ([1], "float32")]
+
+
 @pytest.mark.parametrize(
-    ("shapes_dtypes", "dtype", "error", "message"),
+    ("index", "replacement", "dtype", "error", "message"),
     [
-        (
-            [([4, 12], "uint8"), ([4, 1], "uint8"), ([1], "float32")],
-            "float32",
-            ValueError,
-            r"weight holds 24 inputs, not a multiple of 16",
-        ),
-        (
-            [([4, 16], "uint8"), ([4, 3], "uint8"), ([1], "float32")],
-            "float32",
-            ValueError,
-            r"weight_scale is \[out, 3\], expected \[out, 2\]",
-        ),
-        (
-            [([4, 16], "uint8"), ([5, 2], "uint8"), ([1], "float32")],
-            "float32",
-            ValueError,
-            r"weight has 4 rows and weight_scale 5",
-        ),
-        (
-            [([4, 16], "uint8"), ([4, 2], "uint8"), ([1], "float16")],
-            "float32",
-            TypeError,
-            r"weight_scale_2 is float16, expected float32",
-        ),
-        (
-            [([4, 16], "uint8"), ([4, 2], "uint8"), ([1], "float32")],
-            "int8",
-            TypeError,
-            r"W must be float32, bfloat16 or float16, not int8",
-        ),
+        (0, ([4, 12], "uint8"), "float32", ValueError, r"weight holds 24 inputs, not a multiple of 16"),
+        (1, ([4, 3], "uint8"), "float32", ValueError, r"weight_scale is \[out, 3\], expected \[out, 2\]"),
+        (1, ([5, 2], "uint8"), "float32", ValueError, r"weight has 4 rows and weight_scale 5"),
+        (2, ([1], "float16"), "float32", TypeError, r"weight_scale_2 is float16, expected float32"),
+        (None, None, "int8", TypeError, r"W must be float32, bfloat16 or float16, not int8"),
     ],
     ids=["in-not-16k", "scale-width", "rows", "scale_2-dtype", "out-dtype"],
-)
+)  # fmt: skip
 def test_dequantize_wrapper_refuses_bad_static_shapes_and_dtypes(
-    shapes_dtypes, dtype, error, message
+    index, replacement, dtype, error, message
 ):
     from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
+    from max.graph import Graph
 
     from attnquant_kernels.graph import nvfp4_dequantize
 
-    types = [
-        TensorType(getattr(DType, dt), list(shape), device=DeviceRef.CPU())
-        for shape, dt in shapes_dtypes
-    ]
+    shapes = list(GOOD_PACKED)
+    if index is not None:
+        shapes[index] = replacement
     with (
         pytest.raises(error, match=rf"nvfp4_dequantize: {message}"),
-        Graph("aq_nvfp4_dequantize_static", input_types=types) as g,
+        Graph("aq_nvfp4_dequantize_static", input_types=_types(shapes)) as g,
     ):
         g.output(nvfp4_dequantize(*(v.tensor for v in g.inputs), getattr(DType, dtype)))
