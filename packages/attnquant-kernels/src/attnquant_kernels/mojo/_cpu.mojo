@@ -1,7 +1,7 @@
 # attnquant kernels: the CPU implementation.
 #
 # Two steps per projection, never forming the [out, in] weight:
-#   1. t = x @ V            ([M, r] float32, once per input row, rows in parallel)
+#   1. t = x @ V            ([M, r] float32: _project.mojo, tiles of rows in parallel)
 #   2. y[m, n] = s[n] * <W0[n, :], x[m, :]> + <U[n, :], t[m, :]>
 #      register-tiled: a tile of MR input rows x NR weight rows shares every
 #      SIMD load of W0 and x along K; tiles of N_BLOCK weight rows x M_BLOCK
@@ -16,6 +16,7 @@ from max.algorithm import parallelize
 
 from ._common import F32, GATE_MUL, STORE, Ptr, activate
 from ._panel import PANEL_FROM_ROWS, PW, fill_panel, panel_rows
+from ._project import project_cpu
 
 # SIMD lanes of float32 on this CPU (8 on AVX2, 16 on AVX-512).
 comptime SW = simd_width_of[F32]()
@@ -187,55 +188,6 @@ def theta_block[
                         x, xs, w0, w0s, s, u, us, t, ts, r, dst, os, K, m, n
                     )
                 n += 1
-
-
-def project_cpu[
-    xdt: DType, wdt: DType
-](
-    x: Ptr[xdt],
-    xs: Int,
-    M: Int,
-    K: Int,
-    v: Ptr[wdt],
-    vs: Int,
-    r: Int,
-    t: Ptr[F32],
-    ts: Int,
-):
-    """`t[m, :r] = x[m, :K] @ V[:K, :r]` in float32, one input row per task."""
-    if r == 0 or M == 0:
-        return
-
-    def row(m: Int) {var}:
-        var trow = t.unsafe_offset(m * ts)
-        for j in range(r):
-            trow.unsafe_store(j, Float32(0))
-        for k in range(K):
-            var xk = SIMD[F32, SW](x.unsafe_load(m * xs + k).cast[F32]())
-            var vrow = v.unsafe_offset(k * vs)
-            var j = 0
-            while j + SW <= r:
-                trow.unsafe_store[width=SW](
-                    j,
-                    fma(
-                        xk,
-                        vrow.unsafe_load[width=SW](j).cast[F32](),
-                        trow.unsafe_load[width=SW](j),
-                    ),
-                )
-                j += SW
-            while j < r:
-                trow.unsafe_store(
-                    j,
-                    fma(
-                        xk[0],
-                        vrow.unsafe_load(j).cast[F32](),
-                        trow.unsafe_load(j),
-                    ),
-                )
-                j += 1
-
-    parallelize(row, M)
 
 
 def theta_panels[
