@@ -51,9 +51,11 @@ from attnquant_kernels.testing import (
     OpModel,
     build_linear,
     build_linear_nvfp4,
+    build_lowrank,
     build_mlp,
     check_linear,
     check_linear_nvfp4,
+    check_lowrank,
     check_mlp,
 )
 from attnquant_kernels.testing import theta as random_theta
@@ -121,6 +123,12 @@ def linear_nvfp4(gpu: None) -> OpModel:
 
 
 @pytest.fixture(scope="module")
+def lowrank(gpu: None) -> OpModel:
+    """Outputs: generated_lowrank (float32), the op on bfloat16 inputs."""
+    return build_lowrank("gpu")
+
+
+@pytest.fixture(scope="module")
 def mlp(gpu: None) -> OpModel:
     """Outputs: SiLU, tanh-GELU, SiLU in the rank-0 form (float32), SiLU on bfloat16 inputs."""
     return build_mlp("gpu")
@@ -178,6 +186,23 @@ def test_gpu_linear_nvfp4_matches_the_identity(linear_nvfp4: OpModel, rank: int,
 )
 def test_gpu_linear_nvfp4_shapes(linear_nvfp4: OpModel, M: int, K: int, N: int, R: int):
     check_linear_nvfp4(linear_nvfp4, M, K, N, R, report=_record)
+
+
+# ---------------------------------------------------------------- generated_lowrank (issue 15)
+# The forms without W0 on the custom-op path; built for sm_90 in the kernels' tests, never run.
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "N", "R"),
+    [
+        (1, 7, 3, 2),
+        (1, 1024, 1024, 256),  # decode, a budget-0.5 rank of a square projection
+        (16, 1024, 4096, 409),
+        (64, 4096, 1024, 130),  # the down projection's width, long float32 sums
+    ],
+)
+def test_gpu_lowrank_shapes(lowrank: OpModel, M: int, K: int, N: int, R: int):
+    check_lowrank(lowrank, M, K, N, R, report=_record)
 
 
 # ---------------------------------------------------------------- generated_mlp

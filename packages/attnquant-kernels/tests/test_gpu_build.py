@@ -63,3 +63,4 @@ def test_gpu_kernels_compile_for(accelerator: str, suffix: str, tmp_path: Path):
     assert sum("_theta_kernel" in k for k in kernels) >= 6, kernels
     assert sum("_project_kernel" in k for k in kernels) >= 3, kernels
     assert sum("_nvfp4_kernel" in k for k in kernels) >= 2, kernels  # float32 and bfloat16
+    assert sum("_lowrank_kernel" in k for k in kernels) >= 2, kernels

@@ -25,6 +25,7 @@ def test_every_op_has_its_source_and_registration():
         "generated_mlp",
         "generated_linear_nvfp4",
         "nvfp4_dequantize",
+        "generated_lowrank",
     )
     for op in ak.KERNEL_OPS:
         assert f"{op}.mojo" in names

@@ -19,6 +19,7 @@ KERNEL_OPS: tuple[str, ...] = (
     "generated_mlp",
     "generated_linear_nvfp4",
     "nvfp4_dequantize",
+    "generated_lowrank",
 )
 
 #: Largest correction rank ``r`` the custom ops accept (the Mojo side refuses above it too).

@@ -4,6 +4,7 @@ Inside a graph that loads the kernels (``Graph(..., custom_extensions=[kernels_p
 or any graph created under ``max.graph.default_custom_extensions_scope(kernels_path())``)::
 
     y = generated_linear(x, W0, s, U, V)                      # [M, N], dtype of x
+    y = generated_lowrank(x, U, V)                            # [M, N]: (x @ V) @ U^T
     y = generated_mlp(x, (W0_g, s_g, U_g, V_g), (W0_u, s_u, U_u, V_u),
                       (W0_d, s_d, U_d, V_d), activation="silu")  # [M, H]
     y = generated_linear_nvfp4(x, weight, weight_scale, weight_scale_2, s, U, V)  # [M, N]
@@ -30,6 +31,7 @@ __all__ = [
     "ACTIVATIONS",
     "generated_linear",
     "generated_linear_nvfp4",
+    "generated_lowrank",
     "generated_mlp",
     "nvfp4_dequantize",
 ]
@@ -159,6 +161,51 @@ def generated_linear(
     values = _operands(x, W0, s, U, V, op=op, what="", in_dim=x.shape[1])
     out = TensorType(x.dtype, [x.shape[0], W0.shape[0]], device=x.device)
     return _custom(op, device=x.device, values=[x, *values], out_types=[out])
+
+
+def generated_lowrank(x: TensorValueLike, U: TensorValueLike, V: TensorValueLike) -> TensorValue:
+    """``y = (x @ V) @ U^T`` as one ``generated_lowrank`` dispatch: a projection without ``W0``.
+
+    Serves the low-rank form (``U_l``, ``V_l``) and both shared-basis forms (``V = B_b`` on
+    the input side, ``U = B_b`` on the output side) without forming the ``[N, K]`` weight.
+    Any rank: here ``U`` and ``V`` are the whole weight, so :data:`~attnquant_kernels.MAX_RANK`
+    (a bound on the correction of a ``W0``) does not apply.
+
+    Parameters
+    ----------
+    x : TensorValue
+        ``[M, K]``.
+    U, V : TensorValue or Weight
+        ``[N, r]`` and ``[K, r]``, ``r >= 1``, dtype and device of ``x``.
+
+    Returns
+    -------
+    TensorValue
+        ``[M, N]``, dtype of ``x``.
+    """
+    op = "generated_lowrank"
+    x = TensorValue(x)
+    _check_x(x, op)
+    U, V = TensorValue(U), TensorValue(V)
+    for label, t in (("U", U), ("V", V)):
+        if t.dtype != x.dtype:
+            raise TypeError(
+                f"{op}: {label} is {t.dtype.name}, x is {x.dtype.name}; cast them to one dtype"
+            )
+        if t.device != x.device:
+            raise ValueError(f"{op}: {label} is on {t.device}, x on {x.device}")
+        if t.rank != 2:
+            raise ValueError(f"{op}: U must be [out, r] and V [in, r], got {U.shape} and {V.shape}")
+    for what, got, want in (
+        ("V rows", V.shape[0], x.shape[1]),
+        ("V columns", V.shape[1], U.shape[1]),
+    ):
+        if _static(got) is not None and _static(want) is not None and int(got) != int(want):
+            raise ValueError(f"{op}: {what} are {got}, expected {want} (x [M, in], U [out, r])")
+    if _static(U.shape[1]) == 0:
+        raise ValueError(f"{op}: rank 0 (U [out, 0]) is a zero projection; serve it as zeros")
+    out = TensorType(x.dtype, [x.shape[0], U.shape[0]], device=x.device)
+    return _custom(op, device=x.device, values=[x, U, V], out_types=[out])
 
 
 def generated_mlp(

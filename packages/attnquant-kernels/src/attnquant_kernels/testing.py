@@ -38,9 +38,11 @@ __all__ = [
     "apply",
     "build_linear",
     "build_linear_nvfp4",
+    "build_lowrank",
     "build_mlp",
     "check_linear",
     "check_linear_nvfp4",
+    "check_lowrank",
     "check_mlp",
     "close",
     "gelu_tanh",
@@ -229,6 +231,26 @@ def build_linear(device: Device = "cpu") -> OpModel:
     return session_model(g, device)
 
 
+def build_lowrank(device: Device = "cpu") -> OpModel:
+    """``generated_lowrank``, every dimension symbolic, compiled on ``device``.
+
+    Inputs ``x [M, K]``, ``U [N, R]``, ``V [K, R]`` (float32). Outputs: the op (float32), the
+    op on bfloat16 copies of its inputs (cast back to float32).
+    """
+    from max.graph import Graph
+
+    from . import kernels_path
+    from .graph import generated_lowrank
+
+    _check_device(device)
+    types = _input_types([["M", "K"], ["N", "R"], ["K", "R"]], device)
+    name = _graph_name("lowrank", device)
+    with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as g:
+        x, U, V = (v.tensor for v in g.inputs)
+        g.output(generated_lowrank(x, U, V), _f32(generated_lowrank(*_bf16([x, U, V]))))
+    return session_model(g, device)
+
+
 def build_mlp(device: Device = "cpu", *, rank0_form: bool | None = None) -> OpModel:
     """``generated_mlp``, every dimension symbolic, compiled on ``device``.
 
@@ -299,6 +321,29 @@ def check_linear(
     close(y0, apply(x, *rank0([W0, s, U, V])), F32_RTOL, f"{what} r=0 (U=V=None)", report=report)
     yb_ref = apply(*round_bf16([x, W0, s, U, V]))
     close(yb, yb_ref, BF16_RTOL, f"{what} r={r} bf16", report=report)
+
+
+def check_lowrank(
+    model: OpModel,
+    M: int,
+    K: int,
+    N: int,
+    R: int,
+    seed: int = 0,
+    *,
+    report: Report | None = None,
+) -> None:
+    """One random case of :func:`build_lowrank`'s model against the float64 ``(x V) U^T``."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    _, _, U, V = theta(rng, N, K, R)
+    y, yb = model(x, U, V)
+    what = f"{model.device} lowrank M={M} K={K} N={N} r={R}"
+    ones = np.ones(N, np.float32)
+    zero = np.zeros((N, K), np.float32)
+    close(y, apply(x, zero, ones, U, V), F32_RTOL, what, report=report)
+    xb, Ub, Vb = round_bf16([x, U, V])
+    close(yb, apply(xb, zero, ones, Ub, Vb), BF16_RTOL, f"{what} bf16", report=report)
 
 
 def check_mlp(

@@ -1,12 +1,12 @@
 # Instantiates every GPU variant of the kernels (float32 and bfloat16, SiLU and tanh-GELU,
-# the NVFP4 linear)
+# the NVFP4 linear, the low-rank projection)
 # so `mojo build --target-accelerator <gpu> --emit asm` compiles them on a machine without a
 # GPU. test_gpu_build.py copies the kernel package next to this file as `aqk`; nothing runs.
 
 from max.gpu.host import DeviceContext
 
 from aqk._common import ACT_GELU_TANH, ACT_SILU
-from aqk._gpu import theta_linear_gpu, theta_mlp_gpu
+from aqk._gpu import lowrank_linear_gpu, theta_linear_gpu, theta_mlp_gpu
 from aqk._nvfp4 import nvfp4_linear_gpu
 
 
@@ -16,6 +16,7 @@ def instantiate[dt: DType](ctx: DeviceContext) raises:
     theta_linear_gpu[dt, dt, dt](
         ctx, p, 4, 1, 4, p, 4, p, p, 1, p, 1, 1, 4, p, 4
     )
+    lowrank_linear_gpu[dt, dt, dt](ctx, p, 4, 1, 4, p, 1, p, 1, 1, 4, p, 4)
     theta_mlp_gpu[dt, dt, dt, ACT_SILU](
         ctx,
         p,

@@ -289,6 +289,39 @@ def theta_linear_cpu[
     _ = t_buf^
 
 
+def lowrank_linear_cpu[
+    xdt: DType, wdt: DType, odt: DType
+](
+    x: Ptr[xdt],
+    xs: Int,
+    M: Int,
+    K: Int,
+    u: Ptr[wdt],
+    us: Int,
+    v: Ptr[wdt],
+    vs: Int,
+    r: Int,
+    N: Int,
+    dst: Ptr[odt],
+    os: Int,
+):
+    """`dst = (x @ V) @ U^T`, any rank `r`: `t = x @ V` (project_cpu), then `t @ U^T` as a
+    projection whose block is `U` and whose inputs are `t` (panels from PANEL_FROM_ROWS rows
+    on, the dot-product tiles below), with a unit scale and no correction."""
+    if M == 0 or N == 0:
+        return
+    var t_buf = List[Float32](length=max(M * r, 1), fill=0)
+    var t = t_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    project_cpu[xdt, wdt](x, xs, M, K, v, vs, r, t, r)
+    var ones_buf = List[Scalar[wdt]](length=N, fill=1)
+    var ones = ones_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    theta_linear_cpu[F32, wdt, odt](
+        t, r, M, r, u, us, ones, u, us, v, vs, 0, N, dst, os
+    )
+    _ = t_buf^
+    _ = ones_buf^
+
+
 def theta_mlp_cpu[
     xdt: DType, wdt: DType, odt: DType, act: Int
 ](

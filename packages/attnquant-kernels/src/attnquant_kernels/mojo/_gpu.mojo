@@ -190,6 +190,70 @@ def theta_linear_gpu[
     _ = t_buf^
 
 
+def _lowrank_kernel[
+    wdt: DType, odt: DType
+](
+    t: Ptr[F32],
+    r: Int64,
+    u: Ptr[wdt],
+    us: Int64,
+    dst: Ptr[odt],
+    os: Int64,
+    M: Int64,
+    N: Int64,
+):
+    var i = Int64(global_idx.x)
+    if i >= M * N:
+        return
+    var m = i // N
+    var n = i % N
+    var acc = Float32(0)
+    for j in range(r):
+        acc += u.unsafe_load(Int(n * us + j)).cast[F32]() * t.unsafe_load(
+            Int(m * r + j)
+        )
+    dst.unsafe_store(Int(m * os + n), acc.cast[odt]())
+
+
+def lowrank_linear_gpu[
+    xdt: DType, wdt: DType, odt: DType
+](
+    ctx: DeviceContext,
+    x: Ptr[xdt],
+    xs: Int,
+    M: Int,
+    K: Int,
+    u: Ptr[wdt],
+    us: Int,
+    v: Ptr[wdt],
+    vs: Int,
+    r: Int,
+    N: Int,
+    dst: Ptr[odt],
+    os: Int,
+) raises:
+    """`dst = (x @ V) @ U^T` on the GPU of `ctx`: one thread per (m, j) of `t = x @ V`, then
+    one per output."""
+    if M * N == 0:
+        return
+    var t_buf = ctx.enqueue_create_buffer[F32](max(M * r, 1))
+    var t = t_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    _project_gpu[xdt, wdt](ctx, x, xs, M, K, v, vs, r, t)
+    ctx.enqueue_function[_lowrank_kernel[wdt, odt]](
+        t,
+        Int64(r),
+        u,
+        Int64(us),
+        dst,
+        Int64(os),
+        Int64(M),
+        Int64(N),
+        grid_dim=ceildiv(M * N, BLOCK),
+        block_dim=BLOCK,
+    )
+    _ = t_buf^
+
+
 def theta_mlp_gpu[
     xdt: DType, wdt: DType, odt: DType, act: Int
 ](
