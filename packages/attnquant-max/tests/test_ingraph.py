@@ -212,3 +212,56 @@ def test_matmuls_per_layer_and_weight_bytes(
         "custom op, fused MLP",
     ):
         assert rows[name][2] == theta, name
+
+
+def _custom_ops(text: str) -> dict[str, int]:
+    return {op: text.count(f'"{op}"') for op in ("generated_linear", "generated_lowrank")}
+
+
+def test_budget_checkpoint_on_the_custom_op_runs_one_dispatch_per_projection(
+    tiny_budget: Path,
+) -> None:
+    """Traced, not compiled: banded layers run ``generated_linear``, every low-rank and
+    shared-basis layer one ``generated_lowrank`` (no matmul but the head and the layers served
+    dense), each basis held once, the checkpoint's bytes held."""
+    from attnquant_core import ThetaCheckpoint
+    from attnquant_max._served import served_layers
+    from attnquant_max.testing import gemm_weight_bytes
+
+    ckpt = ThetaCheckpoint.open(tiny_budget)
+    kinds = [h.kind for n in ckpt.families for h in served_layers(ckpt.family_theta(n))]
+    if all(k == "banded" for k in kinds):
+        pytest.skip("the budget chose banded theta for every family")  # pragma: no cover
+    with load_tiny(tiny_budget) as outside:
+        graph, nbytes = decoder_graph(outside, CUSTOM)
+    text = str(graph)
+    assert nbytes == gemm_weight_bytes(tiny_budget)
+    factored = sum(k in ("lowrank", "basis_in", "basis_out") for k in kinds)
+    assert _custom_ops(text) == {
+        "generated_linear": kinds.count("banded"),
+        "generated_lowrank": factored,
+    }
+    assert sum(count_matmuls(graph).values()) == 1 + kinds.count("dense")  # 1: the LM head
+    for key in (k for k in text.split('"') if k.endswith(".basis")):
+        assert text.count(f'"{key}"') == 1, key
+
+
+@pytest.mark.xdist_group("custom-budget")
+def test_budget_checkpoint_on_the_custom_op_agrees_with_precompute_outside(
+    tiny_budget: Path,
+) -> None:
+    """Compiled: every form (banded, low rank, a basis on either side) on the custom op serves
+    the greedy tokens of the same checkpoint rebuilt at load, log-probabilities within float32
+    reassociation."""
+    with load_tiny(tiny_budget) as outside, load_tiny(tiny_budget, CUSTOM) as custom:
+        for prompt in PROMPTS:
+            ids = outside.encode(prompt)
+            assert greedy_generate(custom, ids, 12) == greedy_generate(outside, ids, 12)
+        report = logit_parity(outside, custom, PROMPTS, 8)
+    assert report.max_abs_logprob_delta < 1e-3, report
+    assert report.agreement == 1.0
+    assert report.theta_weight_bytes < report.base_weight_bytes
+    print(
+        f"budget 0.5 on the custom op: max |dlogprob| {report.max_abs_logprob_delta:.2e}, "
+        f"{report.theta_weight_bytes} of {report.base_weight_bytes} weight bytes"
+    )

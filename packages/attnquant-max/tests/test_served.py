@@ -1,10 +1,12 @@
-"""Every form on the GEMM path, without a graph: the per-layer choice, the tensors and the layout.
+"""Every form in the graph, without a graph: the per-layer choice, the tensors and the layout.
 
 The layer graph of ``test_layers.py`` runs these tensors against the numpy identity; here the
 names, shapes and bytes are checked, and the layout read back from them.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -99,6 +101,31 @@ def test_the_held_tensors_are_the_stored_factors() -> None:
     assert "layers.1.self_attn.k_proj.weight" in _tensors(False)
 
 
-def test_the_in_graph_precompute_tensors_refuse_other_forms() -> None:
-    with pytest.raises(ValueError, match=r"self_attn.q_proj: lowrank.*ATTNQUANT_GEMM=1"):
-        list(ingraph_tensors(mixed_families(), stack="layers", gemm=False, fuse=True))
+def test_the_custom_op_tensors_hold_every_form_unstacked() -> None:
+    """Off the GEMM path (custom op): banded families as ``W0`` blocks with ``s``, ``U``, ``V``
+    (ranks padded per group), every other form as the GEMM path holds it unfused (never
+    stacked), read back as the same forms."""
+    families = {n: f for n, f in mixed_families().items() if n != "mlp.down_proj"}  # one G
+    tensors = dict(ingraph_tensors(families, stack="layers", gemm=False, fuse=True))
+    assert not any(k.endswith((".theta_in", ".W0V")) for k in tensors)
+    layout = InGraphLayout.from_state(
+        {k: v.shape for k, v in tensors.items()}, list(families), fuse=True
+    )
+    assert layout is not None and not layout.gemm and layout.blocks == 2
+    assert layout.groups == {"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    factored = {n: served_layers(f) for n, f in families.items() if f.form != "banded"}
+    assert layout.served == factored
+    assert layout.keys(LAYERS) == set(tensors)
+    unfused = dict(ingraph_tensors(families, stack="layers", gemm=True, fuse=False))
+    for key, value in tensors.items():
+        if key.split(".")[-1] in ("W0", "theta_s") or ".mlp." in key:
+            continue  # banded: W0 blocks here, W0V band weights there
+        np.testing.assert_array_equal(value, unfused[key], err_msg=key)
+    assert tensors["layers.1.mlp.up_proj.theta_U"].shape[1] == 4  # up's rank 1, gate's 4
+
+
+def test_the_in_graph_precompute_tensors_refuse_an_nvfp4_w0() -> None:
+    families = mixed_families()
+    families["mlp.down_proj"] = SimpleNamespace(form="banded", quant="nvfp4")
+    with pytest.raises(ValueError, match=r"read a float W0; mlp.down_proj .*ATTNQUANT_GEMM=1"):
+        list(ingraph_tensors(families, stack="layers", gemm=False, fuse=True))

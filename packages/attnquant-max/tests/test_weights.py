@@ -250,28 +250,50 @@ def test_budget_checkpoint_serves_every_form_on_precompute_outside(tiny_budget: 
     assert not any(".theta_" in k or k.startswith("attnquant.") for k in state)
 
 
-@pytest.mark.parametrize(
-    ("env", "path"),
-    [({"ATTNQUANT_PRECOMPUTE": "1"}, "precompute"), ({"ATTNQUANT_GEMM": "0"}, "custom-op")],
-)
-def test_in_graph_paths_refuse_forms_they_do_not_serve(
-    tiny_budget: Path, env: dict, path: str
-) -> None:
-    """In-graph precompute and the custom op serve banded families only: one line naming
-    each family in another form, pointing at the GEMM path."""
+def test_in_graph_precompute_refuses_forms_it_does_not_serve(tiny_budget: Path) -> None:
+    """In-graph precompute serves banded families only: one line naming each family in
+    another form, pointing at the GEMM path and the custom op."""
     from attnquant_core import ThetaCheckpoint
 
     forms = ThetaCheckpoint.open(tiny_budget).forms
     if all(f == "banded" for f in forms.values()):
         pytest.skip("the budget chose banded theta for every family")  # pragma: no cover
-    config = AttnquantConfig.from_env({"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", **env})
+    config = AttnquantConfig.from_env(
+        {"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_PRECOMPUTE": "1"}
+    )
     with pytest.raises(NotImplementedError) as info:
         plan_serving(tiny_budget, config)
     message = str(info.value)
-    assert "\n" not in message and f"the {path} path" in message
-    assert "ATTNQUANT_GEMM=1" in message and "ATTNQUANT_PRECOMPUTE_OUTSIDE=1" in message
+    assert "\n" not in message and "the precompute path" in message
+    assert "ATTNQUANT_GEMM=1" in message and "ATTNQUANT_GEMM=0" in message
+    assert "ATTNQUANT_PRECOMPUTE_OUTSIDE=1" in message
     for name, form in forms.items():
         assert (f"{name} ({form})" in message) is (form != "banded")
+
+
+def test_budget_checkpoint_feeds_every_form_on_the_custom_op(tiny_budget: Path) -> None:
+    """``ATTNQUANT_GEMM=0`` serves a budget checkpoint: banded families as ``W0`` blocks for
+    ``generated_linear``, the others as their factors for ``generated_lowrank`` (never
+    stacked), holding the same bytes as the GEMM path (the checkpoint's)."""
+    from attnquant_core import ThetaCheckpoint
+    from attnquant_max._served import served_layers
+
+    ckpt = ThetaCheckpoint.open(tiny_budget)
+    if all(f == "banded" for f in ckpt.forms.values()):
+        pytest.skip("the budget chose banded theta for every family")  # pragma: no cover
+    plan = plan_serving(tiny_budget, AttnquantConfig(precompute_outside=False, gemm=False))
+    assert plan.path == "custom-op" and plan.in_graph
+    assert "generated_lowrank" in plan.describe()
+    state = {k.removeprefix("model."): v for k, v in plan.theta_state()}
+    assert not any(k.endswith((".theta_in", ".W0V")) for k in state)
+    layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
+    assert layout is not None
+    banded = [n for n, f in ckpt.forms.items() if f == "banded"]
+    assert sorted(m for members in layout.groups.values() for m in members) == sorted(banded)
+    factored = {n: served_layers(ckpt.family_theta(n)) for n in ckpt.families if n not in banded}
+    assert layout.served == factored
+    assert layout.keys(LAYERS) <= set(state)
+    assert sum(a.nbytes for a in state.values()) == gemm_weight_bytes(tiny_budget)
 
 
 def test_budget_checkpoint_feeds_every_form_on_the_gemm_path(tiny_budget: Path) -> None:
@@ -302,7 +324,7 @@ def test_auto_selection_takes_the_gemm_path_for_forms_the_custom_op_refuses(
     if banded.path != "custom-op":
         pytest.skip(f"auto selection picks {banded.path} here")  # pragma: no cover
     assert budget.path == "gemm"
-    assert "forms the custom op does not serve" in budget.describe()
+    assert "ATTNQUANT_GEMM=0 serves them with generated_lowrank" in budget.describe()
 
 
 def test_in_graph_tensors_pad_per_layer_ranks_exactly() -> None:

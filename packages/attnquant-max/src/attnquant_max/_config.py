@@ -236,7 +236,7 @@ PATH_DESCRIPTIONS: dict[str, str] = {
     "projection group",
     "precompute": "in-graph precompute: W_eff = s*W0 + U V^T formed in the graph on every "
     "forward, then one matmul",
-    "custom-op": "custom op (in-graph): generated_linear / generated_mlp",
+    "custom-op": "custom op (in-graph): generated_linear / generated_mlp / generated_lowrank",
 }
 
 

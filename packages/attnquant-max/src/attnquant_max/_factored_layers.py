@@ -1,4 +1,4 @@
-"""The forms without ``W0`` as MAX graph layers (GEMM path): low rank, shared basis, dense, zero.
+"""The forms without ``W0`` as MAX graph layers: low rank, shared basis, dense, zero.
 
 How a layer of a family is served is :class:`attnquant_max._served.Served`; this module computes
 it, each projection in at most two matmuls over the tensors the theta checkpoint stores:
@@ -12,6 +12,11 @@ kind           first matmul                second matmul
 ``basis_out``  ``t = x V_l``               ``t B_b^T``
 ``zero``       (none: ``y = 0``)
 =============  ==========================  ===================
+
+On the custom-op path (``custom_op=True``, ``ATTNQUANT_GEMM=0``) the low-rank and shared-basis
+kinds run both matmuls in one ``generated_lowrank`` dispatch of attnquant-kernels
+(``y = (x V) U^T`` with ``V`` = ``V_l`` or ``B_b``, ``U`` = ``U_l`` or ``B_b``); dense and zero
+are as above.
 
 ``B_b`` is one weight per band, owned by the model's
 :class:`~attnquant_max._layers.ThetaSharedBlocks`; the layers of the band hold a reference.
@@ -27,6 +32,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
 
+from ._nvfp4_layers import on_rows
 from ._served import FACTORED_KINDS
 
 __all__ = ["FactoredLinear", "ThetaStackedInput"]
@@ -51,6 +57,8 @@ class FactoredLinear(Module):
     own_input : bool
         ``False`` for a member of a :class:`ThetaStackedInput`, which holds this layer's
         first-matmul rows (``W`` or ``V^T``); this module then holds only its second factor.
+    custom_op : bool
+        Low rank and shared basis: one ``generated_lowrank`` dispatch instead of two matmuls.
 
     Weights (the theta checkpoint's names): ``weight`` (dense), ``theta_U`` (low rank, input
     side basis), ``theta_V`` (low rank, output side basis).
@@ -67,10 +75,14 @@ class FactoredLinear(Module):
         device: DeviceRef,
         basis: Weight | None = None,
         own_input: bool = True,
+        custom_op: bool = False,
     ) -> None:
         super().__init__()
         if kind not in FACTORED_KINDS:
             raise ValueError(f"FactoredLinear serves {FACTORED_KINDS}, not {kind!r}")
+        if custom_op and not own_input:
+            raise ValueError("a FactoredLinear on the custom op holds its own first factor")
+        self.custom_op = custom_op
         self.in_dim, self.out_dim, self.kind, self.device = in_dim, out_dim, kind, device
         self.rank = rank if kind in ("lowrank", "basis_in", "basis_out") else 0
         self.own_input = own_input
@@ -111,10 +123,27 @@ class FactoredLinear(Module):
             return h @ self._basis.to(h.device).T
         return h @ self.theta_U.to(h.device).T
 
+    def factors(self, device: DeviceRef) -> tuple[TensorValue, TensorValue]:
+        """``(U, V)`` with ``W = U V^T`` (low rank and shared basis), for ``generated_lowrank``."""
+        if self.kind == "lowrank":
+            U, V = self.theta_U, self.theta_V
+        elif self.kind == "basis_in":
+            U, V = self.theta_U, self._basis
+        elif self.kind == "basis_out":
+            U, V = self._basis, self.theta_V
+        else:
+            raise TypeError(f"a {self.kind} projection has no factors")
+        return TensorValue(U).to(device), TensorValue(V).to(device)
+
     def __call__(self, x: TensorValue) -> TensorValue:
         if self.kind == "zero":
             zero = ops.constant(0, x.dtype, device=x.device)
             return ops.broadcast_to(zero, [*x.shape[:-1], self.out_dim])
+        if self.custom_op and self.kind != "dense":
+            from attnquant_kernels.graph import generated_lowrank
+
+            U, V = self.factors(x.device)
+            return on_rows(x, self.in_dim, self.out_dim, lambda rows: generated_lowrank(rows, U, V))
         return self.second(self.first(x))
 
 

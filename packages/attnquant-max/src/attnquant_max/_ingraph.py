@@ -182,12 +182,17 @@ def _layout_of(state_dict: Mapping[str, Any]) -> InGraphLayout | None:
     """The in-graph layout of ``state_dict`` (``None``: dense); the config picks the custom op.
 
     The custom op reads the same tensors as in-graph precompute, so the serving path
-    (:func:`attnquant_max.serving_path`) tells them apart, not the state.
+    (:func:`attnquant_max.serving_path`) tells them apart, not the state. A state with no
+    banded family reads back as a GEMM layout (its factors are the same on both paths); the
+    plan serves it on the custom op only when ``ATTNQUANT_GEMM=0`` asks for it.
     """
     config = current_config()
     shapes = {k: [int(d) for d in v.shape] for k, v in state_dict.items()}
     layout = InGraphLayout.from_state(shapes, FAMILIES, fuse=config.qkv_fuse)
-    if layout is not None and not layout.gemm and serving_path(config) == "custom-op":
+    if layout is None or serving_path(config) != "custom-op":
+        return layout
+    factored_only = not layout.groups and not layout.nvfp4 and not layout.stacked
+    if not layout.gemm or (config.gemm is False and factored_only):
         layout = dataclasses.replace(layout, custom_op=True, fused_mlp=config.fused_mlp)
     return layout
 

@@ -24,7 +24,9 @@ Two formulations of ``y = s * (x W0^T) + (x V) U^T`` (DESIGN §1, §5.2):
   in-graph precompute (``W0`` per band, ``s``, ``U``, ``V`` per layer), computed by
   attnquant-kernels' ``generated_linear`` (one dispatch per projection, ``W_eff``
   never formed) and, with ``ATTNQUANT_FUSED_MLP=1``, ``generated_mlp`` (gate, up,
-  SiLU and down in one dispatch). The graph must load ``kernels_path()``.
+  SiLU and down in one dispatch, where all three are banded). Families in forms without
+  ``W0`` are :class:`~attnquant_max._factored_layers.FactoredLinear` layers running one
+  ``generated_lowrank`` each. The graph must load ``kernels_path()``.
 
 Matmuls run in the input dtype: ``x @ w`` of two float32 tensors is float32;
 for bfloat16 MAX's matmul kernels accumulate in float32 and round the output
@@ -442,7 +444,7 @@ class ThetaBuilder:
         )
 
     def _factored(self, family: str, layer: int, *, own_input: bool = True) -> FactoredLinear:
-        """GEMM: ``family`` of ``layer`` in a form without ``W0`` (its basis held in the bank)."""
+        """``family`` of ``layer`` in a form without ``W0`` (its basis held in the bank)."""
         how = self.layout.served[family][layer]
         out_dim, in_dim = self.shapes[family]
         basis = None
@@ -460,11 +462,13 @@ class ThetaBuilder:
             device=self.device,
             basis=basis,
             own_input=own_input,
+            custom_op=self.layout.custom_op,
         )
 
     def _kind(self, family: str, layer: int) -> str | None:
-        """GEMM: how ``layer`` of ``family`` is served (:mod:`attnquant_max._served`)."""
-        how = self.layout.served.get(family) if self.layout.gemm else None
+        """How ``layer`` of ``family`` is served (:mod:`attnquant_max._served`); ``None`` for
+        a banded family off the GEMM path."""
+        how = self.layout.served.get(family)
         return how[layer].kind if how else None
 
     def _nvfp4(self, family: str, layer: int) -> NVFP4Linear:
@@ -488,8 +492,11 @@ class ThetaBuilder:
         )
 
     def _alone(self, family: str, layer: int) -> ThetaLinear | FactoredLinear | NVFP4Linear:
-        if self._kind(family, layer) == "nvfp4":
+        kind = self._kind(family, layer)
+        if kind == "nvfp4":
             return self._nvfp4(family, layer)
+        if kind is not None and kind != "banded":
+            return self._factored(family, layer)
         if not self.layout.gemm:
             assert self.bands is not None
             band = self.bands[layer]
@@ -497,8 +504,6 @@ class ThetaBuilder:
                 shared_key(family, band), self.dtype, list(self.shapes[family]), self.device
             )
             return self._member(family, layer, W0)
-        if self.layout.served[family][layer].kind != "banded":
-            return self._factored(family, layer)
         group = self.layout.group_of(family)
         assert group is not None
         if self.layout.groups[group] != (family,):
@@ -548,6 +553,9 @@ class ThetaBuilder:
     def mlp(self, layer: int, prefix: str = "mlp") -> ThetaMLP:
         """The gated MLP of ``layer`` (``<prefix>.{gate,up,down}_proj``)."""
         gate_up = self.stacked([f"{prefix}.gate_proj", f"{prefix}.up_proj"], layer)
-        fused = self.layout.custom_op and self.layout.fused_mlp
         down = self.linear(f"{prefix}.down_proj", layer)
+        banded = isinstance(down, ThetaLinear) and all(
+            isinstance(m, ThetaLinear) for m in getattr(gate_up, "members", ())
+        )
+        fused = self.layout.custom_op and self.layout.fused_mlp and banded
         return ThetaMLP(gate_up, down, fused_kernel=fused)  # type: ignore[arg-type]

@@ -107,7 +107,8 @@ class InGraphLayout:
         Custom op: one ``generated_mlp`` dispatch per MLP (``ATTNQUANT_FUSED_MLP``).
     served : dict of str to tuple of Served
         GEMM path: how each layer of each family is served (:mod:`attnquant_max._served`),
-        banded ones included; empty on the in-graph precompute path.
+        banded ones included. Off the GEMM path: the families in forms without ``W0`` only
+        (custom op: ``generated_lowrank``), empty when every family is banded.
     stacked : dict of str to tuple of int
         GEMM path: the layers of each fused group that run one stacked first matmul
         (``theta_in``).
@@ -246,30 +247,47 @@ class InGraphLayout:
         fuse: bool,
         stack: str,
     ) -> InGraphLayout:
-        other = sorted(k for k in shapes if k.endswith((".theta_in", ".basis")))
-        if other:
+        stacked = sorted(k for k in shapes if k.endswith(".theta_in"))
+        if stacked:
             raise ValueError(
-                f"the in-graph precompute state holds tensors of other forms: {other[:4]}"
+                f"the in-graph precompute state holds stacked first matmuls (GEMM path): "
+                f"{stacked[:4]}"
             )
-        groups = gemm_groups(list(families), fuse=fuse)
         unknown = sorted(set(bands) - set(families))
-        missing = sorted(set(families) - set(bands))
-        if missing or unknown:
+        if unknown:
             raise ValueError(
                 f"the in-graph state does not hold each projection family once: "
-                f"missing {missing}, unexpected {unknown}"
+                f"unexpected {unknown}"
             )
+        # Families without W0 blocks are in forms without W0 (custom-op path), read back as
+        # the GEMM path reads them, never stacked.
+        num_layers = _num_layers(shapes, stack)
+        served: dict[str, tuple[Served, ...]] = {}
+        missing = []
+        for family in (f for f in families if f not in bands):
+            how = _read_factored(shapes, family, num_layers, {}, stack)
+            if how is None:
+                missing.append(family)
+            else:
+                served[family] = how
+        if missing:
+            raise ValueError(
+                f"the in-graph state does not hold each projection family once: missing {missing}"
+            )
+        groups = gemm_groups([f for f in families if f in bands], fuse=fuse)
         counts = _check_bands(bands)
         if len(set(counts.values())) != 1:
             raise ValueError(f"the families have different numbers of bands: {counts}")
         ranks = {}
-        for family in families:
+        for family in bands:
             U = shapes.get(theta_key(stack, 0, family, "U"))
             ranks[family] = int(U[1]) if U is not None else 0
         for group, members in groups.items():
             if len({ranks[m] for m in members}) != 1:
                 raise ValueError(f"{group}: {', '.join(members)} have different ranks")
-        return cls(gemm=False, groups=groups, blocks=counts.popitem()[1], ranks=ranks)
+        return cls(
+            gemm=False, groups=groups, blocks=counts.popitem()[1], ranks=ranks, served=served
+        )
 
     @classmethod
     def _gemm(

@@ -127,7 +127,9 @@ def ingraph_tensors(
     gemm : bool
         ``True``: GEMM band weights ``W0V`` and the other forms' factors, and the packed ``W0``
         of banded families stored in NVFP4 (:func:`nvfp4_tensors`; their q/k/v or gate/up
-        groups are not fused); ``False``: in-graph precompute (``W0`` per band, ``V`` per layer).
+        groups are not fused); ``False``: in-graph precompute and the custom op (``W0`` per
+        band, ``V`` per layer) for banded families, the other forms' factors as on the GEMM
+        path but never stacked (one ``generated_lowrank`` per projection).
     fuse : bool
         GEMM path: one band weight for q/k/v and one for gate/up, or one stacked first
         matmul per layer for other forms (see the module docstring).
@@ -137,7 +139,7 @@ def ingraph_tensors(
     Raises
     ------
     ValueError
-        A form the path does not serve (any but banded off the GEMM path).
+        An NVFP4 ``W0`` off the GEMM path.
     """
 
     def cast(name: str, array: np.ndarray) -> np.ndarray:
@@ -147,13 +149,17 @@ def ingraph_tensors(
     if gemm:
         yield from _gemm_tensors(families, stack=stack, fuse=fuse, cast=cast)
         return
-    other = sorted(f"{n}: {f.form}" for n, f in families.items() if f.form != "banded")
-    if other:
+    quantized = sorted(n for n, f in families.items() if is_nvfp4_family(f))
+    if quantized:
         raise ValueError(
-            f"the in-graph precompute and custom-op paths serve banded families only; got "
-            f"{', '.join(other)}. Serve it on the GEMM path (ATTNQUANT_GEMM=1)"
+            f"the in-graph precompute and custom-op paths read a float W0; {', '.join(quantized)} "
+            "store it in NVFP4. Serve it on the GEMM path (ATTNQUANT_GEMM=1)"
         )
-    families = uniform_ranks(families, fuse=fuse)
+    factored = {n: f for n, f in families.items() if f.form != "banded"}
+    served = {n: served_layers(f) for n, f in factored.items()}
+    yield from _factored_tensors(factored, served, {}, stack=stack, cast=cast)
+    banded = {n: f for n, f in families.items() if n not in factored}
+    families = uniform_ranks(banded, fuse=fuse)
     for name, fam in families.items():
         rank = fam.layers[0].rank
         for layer, t in enumerate(fam.layers):
@@ -225,6 +231,30 @@ def _gemm_tensors(
             yield gemm_band_key(group, band), np.ascontiguousarray(np.concatenate(rows, axis=0))
     served = {n: served_layers(f) for n, f in families.items() if f.form != "banded"}
     stacked = stacked_layers(served, fuse=fuse)
+    yield from _factored_tensors(families, served, stacked, stack=stack, cast=cast)
+    for group, layers in stacked.items():
+        for layer in layers:
+            rows = [
+                cast(
+                    m, _at_least_one_column(_stage1_rows(families[m], layer, served[m][layer]).T).T
+                )
+                for m in FUSED_GROUPS[group]
+            ]
+            key = stacked_input_key(stack, layer, group)
+            yield key, np.ascontiguousarray(np.concatenate(rows, axis=0))
+
+
+def _factored_tensors(
+    families: Mapping[str, Any],
+    served: Mapping[str, Sequence[Served]],
+    stacked: Mapping[str, Sequence[int]],
+    *,
+    stack: str,
+    cast: Any,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors of the families in forms without ``W0`` (``served``): each band's basis
+    once, each layer's ``U``/``V`` (or its dense weight where the factors are not smaller),
+    leaving out the first-matmul rows of the layers in ``stacked`` (held as ``theta_in``)."""
     for name, how in served.items():
         fam = families[name]
         group = fused_group_of(name)
@@ -242,16 +272,6 @@ def _gemm_tensors(
                     yield theta_key(stack, layer, name, "U"), cast(name, _at_least_one_column(U))
                 if h.kind != "basis_in" and layer not in in_stack:
                     yield theta_key(stack, layer, name, "V"), cast(name, _at_least_one_column(V))
-    for group, layers in stacked.items():
-        for layer in layers:
-            rows = [
-                cast(
-                    m, _at_least_one_column(_stage1_rows(families[m], layer, served[m][layer]).T).T
-                )
-                for m in FUSED_GROUPS[group]
-            ]
-            key = stacked_input_key(stack, layer, group)
-            yield key, np.ascontiguousarray(np.concatenate(rows, axis=0))
 
 
 def _at_least_one_column(a: np.ndarray) -> np.ndarray:

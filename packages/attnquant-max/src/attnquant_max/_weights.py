@@ -221,7 +221,14 @@ class ServingPlan:
         if self.nvfp4_w0:
             return self._describe_nvfp4(where, g)
         if self.in_graph:
-            if self.path == "custom-op":
+            if self.path == "custom-op" and any(f != "banded" for f in self.forms.values()):
+                fused = (
+                    "one generated_linear per banded projection, one generated_lowrank per "
+                    "low-rank or shared-basis one; an MLP in one generated_mlp where all three "
+                    "are banded"
+                    + ("" if self.config.fused_mlp else " (not: ATTNQUANT_FUSED_MLP=0)")
+                )
+            elif self.path == "custom-op":
                 fused = (
                     "one generated_linear per projection; the MLP in one generated_mlp"
                     if self.config.fused_mlp
@@ -456,17 +463,20 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
         forms = ckpt.forms
         other = ckpt.blocks is None or any(form != "banded" for form in forms.values())
         if how["path"] == "custom-op" and config.gemm is None and other:
-            # Auto selection: the custom op serves banded families with one G only.
+            # Auto selection: the custom op serves every form (generated_lowrank for those
+            # without W0), but the GEMM path is the one measured for them (README).
             how["path"] = "gemm"
             how["reason"] = (
                 f"ATTNQUANT_PRECOMPUTE_OUTSIDE=0, ATTNQUANT_GEMM unset and accelerator API "
-                f"{api!r}, and forms the custom op does not serve"
+                f"{api!r}, and forms other than banded (ATTNQUANT_GEMM=0 serves them with "
+                "generated_lowrank)"
             )
         _refuse_forms_off_gemm(path, how["path"], forms, ckpt.blocks)
         _refuse_grouped_in_graph(
             path, how["path"], [n for n, f in ckpt.families.items() if "layers" in f]
         )
-        _check_custom_op_rank(how["path"], ckpt.rank, path)
+        banded = [max(ckpt.ranks(n), default=0) for n, f in forms.items() if f == "banded"]
+        _check_custom_op_rank(how["path"], max(banded, default=0), path)
         return ServingPlan(
             model_path=path,
             source="theta",
@@ -599,9 +609,20 @@ def _refuse_grouped_in_graph(path: Path, serving: str, grouped: list[str]) -> No
 def _refuse_forms_off_gemm(
     path: Path, serving: str, forms: Mapping[str, str], blocks: int | None
 ) -> None:
-    """The in-graph precompute and custom-op paths serve banded families with one ``G``; the
-    GEMM path serves every form. Refused in one line naming each family and its form."""
-    if serving not in ("precompute", "custom-op"):
+    """The in-graph precompute path serves banded families with one ``G``; the custom op
+    serves every form, its banded families with one ``G`` (one band layout of ``W0`` blocks);
+    the GEMM path serves every form. Refused in one line naming what does not fit."""
+    banded = [n for n, f in forms.items() if f == "banded"]
+    if serving == "custom-op":
+        if not banded or blocks is not None:
+            return
+        raise NotImplementedError(
+            f"{path}: the custom-op path serves banded families with one G only; this "
+            f"checkpoint's banded families ({', '.join(sorted(banded))}) have different G. "
+            "Serve it on the GEMM path (ATTNQUANT_PRECOMPUTE_OUTSIDE=0 ATTNQUANT_GEMM=1), or "
+            "rebuild it at load with ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
+        )
+    if serving != "precompute":
         return
     other = sorted(f"{n} ({f})" for n, f in forms.items() if f != "banded")
     if not other and blocks is not None:
@@ -610,7 +631,8 @@ def _refuse_forms_off_gemm(
     raise NotImplementedError(
         f"{path}: the {serving} path serves banded families with one G only; this checkpoint "
         f"has {what}. Serve it on the GEMM path (ATTNQUANT_PRECOMPUTE_OUTSIDE=0 "
-        "ATTNQUANT_GEMM=1), or rebuild it at load with ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
+        "ATTNQUANT_GEMM=1) or the custom op (ATTNQUANT_GEMM=0), or rebuild it at load with "
+        "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
     )
 
 
