@@ -10,6 +10,8 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 * ``budget 0.7`` / ``budget 0.5``: ``decompose --budget`` checkpoints, served in the graph
   (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``, GEMM path) where attnquant-max serves their forms there,
   else on precompute-outside (dense rebuilt at load: no smaller, no faster), and the row says so;
+  ``budget 0.7 custom-op`` / ``budget 0.5 custom-op``: the same checkpoints on the custom op
+  (``ATTNQUANT_GEMM=0``: one ``generated_lowrank`` per low-rank or shared-basis projection);
 * ``nvfp4``: the stock checkpoint served with ``ATTNQUANT_QUANT=nvfp4``, each projection one fused
   ``generated_linear_nvfp4`` dispatch (``ATTNQUANT_NVFP4_KERNEL=fused``);
 * ``nvfp4+r16``: ``decompose --quant nvfp4 --rank 16`` (format v4), served in the graph as stored
@@ -46,7 +48,16 @@ from typing import Any
 import numpy as np
 from synthetic_llama import SHAPES, projection_shapes, write_gguf, write_synthetic
 
-VARIANTS = ("budget 0.7", "budget 0.5", "nvfp4", "nvfp4+r16", "gguf q4_0", "gguf q4_k")
+VARIANTS = (
+    "budget 0.7",
+    "budget 0.5",
+    "budget 0.7 custom-op",
+    "budget 0.5 custom-op",
+    "nvfp4",
+    "nvfp4+r16",
+    "gguf q4_0",
+    "gguf q4_k",
+)
 PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
 
 
@@ -119,12 +130,15 @@ def prepare(
     from attnquant_core import decompose_budget
 
     if variant.startswith("budget"):
-        out = work / variant.replace(" ", "_")
+        budget = variant.split()[1]
+        out = work / f"budget_{budget}"  # one checkpoint for both in-graph paths
         if not out.exists():
             narrowed = {"forms": forms} if forms else {}
-            decompose_budget(base_dir, out, budget=float(variant.split()[1]), **narrowed)
-        how = "in graph, GEMM path" + (f" (forms {'/'.join(forms)})" if forms else "")
-        return out, {"precompute_outside": False, "gemm": True}, how
+            decompose_budget(base_dir, out, budget=float(budget), **narrowed)
+        op = variant.endswith("custom-op")
+        how = "in graph, " + ("custom op (generated_lowrank)" if op else "GEMM path")
+        how += f" (forms {'/'.join(forms)})" if forms else ""
+        return out, {"precompute_outside": False, "gemm": not op}, how
     # The fused op named, not timed at start-up (ATTNQUANT_NVFP4_KERNEL=auto): every run of
     # this benchmark serves the same graph.
     if variant == "nvfp4":

@@ -23,10 +23,13 @@ table gives medians and custom/GEMM (geometric mean of the within-pair ratios, <
 custom op is faster) with a bootstrap-over-pairs 95% CI, as ``attnquant bench`` computes it
 (``attnquant_core.paired_ratio``), and the machine's load during each case.
 
-``--sections nvfp4`` (both sections run by default) times one NVFP4 projection of Llama-like
+``--sections nvfp4`` (every section runs by default) times one NVFP4 projection of Llama-like
 shapes instead: the fused ``generated_linear_nvfp4`` op against dequantize-in-graph-then-matmul
 (today's ``ATTNQUANT_QUANT=nvfp4``) and the float32 matmul, with the weight bytes each moves and
 their roofline over a measured memory bandwidth (``benchmarks/kernels_nvfp4.py``; CPU only).
+``--sections lowrank`` times one projection without ``W0`` (``W = U V^T`` at ``--lowrank-ratio``
+of the dense bytes): ``generated_lowrank`` against the GEMM path's two matmuls and the dense
+float32 matmul (``benchmarks/kernels_lowrank.py``; CPU only).
 
 On the CPU by default. ``--device gpu`` builds both graphs on ``DeviceRef.GPU()`` (MAX compiles
 the kernels' GPU variant and its own GPU matmuls), keeps every input on the accelerator, and
@@ -192,9 +195,7 @@ def _shapes(specs: list[str] | None) -> list[tuple[int, int]] | None:
     try:
         return [(int(o), int(i)) for o, i in (spec.lower().split("x") for spec in specs)]
     except ValueError:
-        raise SystemExit(
-            f"--nvfp4-shapes: expected OUTxIN such as 4096x1024, got {specs}"
-        ) from None
+        raise SystemExit(f"shapes: expected OUTxIN such as 4096x1024, got {specs}") from None
 
 
 def main() -> None:
@@ -209,9 +210,22 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         nargs="+",
-        choices=("theta", "nvfp4"),
-        default=["theta", "nvfp4"],
-        help="theta: one layer, custom op vs GEMM; nvfp4: one NVFP4 projection (CPU only)",
+        choices=("theta", "nvfp4", "lowrank"),
+        default=["theta", "nvfp4", "lowrank"],
+        help="theta: one layer, custom op vs GEMM; nvfp4: one NVFP4 projection; lowrank: one "
+        "projection without W0, generated_lowrank vs two matmuls (both CPU only)",
+    )
+    parser.add_argument(
+        "--lowrank-ratio",
+        type=float,
+        default=0.5,
+        help="lowrank section: the factors' bytes over the dense weight's (sets each rank)",
+    )
+    parser.add_argument(
+        "--lowrank-shapes",
+        nargs="+",
+        metavar="OUTxIN",
+        help="projection shapes of the lowrank section (default: 1024x1024 4096x1024 1024x4096)",
     )
     parser.add_argument(
         "--bandwidth-mib", type=int, default=1024, help="array copied to measure bandwidth"
@@ -355,15 +369,47 @@ def main() -> None:
             on_case=on_case,
             shapes=_shapes(args.nvfp4_shapes),
         )
+    lowrank: dict = {}
+    if "lowrank" in args.sections and on_gpu:
+        print("the lowrank section runs on the CPU only; skipped")
+    elif "lowrank" in args.sections:
+        from kernels_lowrank import run_section as run_lowrank
+
+        lowrank_cases: list[dict] = []
+
+        def on_lowrank(case: dict) -> None:
+            lowrank_cases.append(case)
+            if args.out:
+                write_results(
+                    args, device, compile_s, cases, failures, nvfp4, {"cases": lowrank_cases}
+                )
+
+        lowrank = run_lowrank(
+            session,
+            batches=args.batches,
+            repetitions=args.repetitions,
+            inner=args.inner,
+            bandwidth_mib=args.bandwidth_mib,
+            ratio=args.lowrank_ratio,
+            compile_s=compile_s,
+            on_case=on_lowrank,
+            shapes=_shapes(args.lowrank_shapes),
+        )
     print("compile + load (s): " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
     if args.out:
-        write_results(args, device, compile_s, cases, failures, nvfp4)
+        write_results(args, device, compile_s, cases, failures, nvfp4, lowrank)
     if failures:
         raise SystemExit(f"{len(failures)} correctness check(s) failed: " + "; ".join(failures))
 
 
 def write_results(
-    args, device, compile_s: dict, cases: list, failures: list[str], nvfp4: dict | None = None
+    args,
+    device,
+    compile_s: dict,
+    cases: list,
+    failures: list[str],
+    nvfp4: dict | None = None,
+    lowrank: dict | None = None,
 ) -> None:
     """The JSON results file (``--out``), rewritten after every case."""
     machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
@@ -397,6 +443,7 @@ def write_results(
         "correctness_failures": failures,
         "cases": cases,
         "nvfp4": nvfp4 or {},
+        "lowrank": lowrank or {},
     }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
 

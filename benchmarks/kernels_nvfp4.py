@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -110,6 +110,62 @@ def build_graph(path: str, out_dim: int, in_dim: int):
     return g
 
 
+class Timed(NamedTuple):
+    """One case of :func:`time_case`: medians (ms), ``base``/other ratios, the paired runs of
+    each other path, every path's error, the machine's load over the timing, the samples (s)."""
+
+    median_ms: dict[str, float]
+    ratios: dict[str, Any]
+    runs: dict[str, Any]
+    errors: dict[str, float]
+    load: Any
+    samples: dict[str, list[float]]
+
+
+def time_case(
+    models: dict[str, Any],
+    inputs: dict[str, list],
+    xb: Any,
+    ref: np.ndarray,
+    *,
+    base: str,
+    others: Sequence[str],
+    repetitions: int,
+    inner: int,
+    what: str,
+) -> Timed:
+    """Check every path's output against ``ref`` (1e-4 relative), then time ``base`` in ABBA
+    pairs with each of ``others``."""
+    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
+
+    errors = {}
+    for path, model in models.items():
+        got = model.execute(xb, *inputs[path])[0].to_numpy()
+        errors[path] = max_rel_error(got, ref)
+        if not errors[path] <= 1e-4:
+            raise SystemExit(f"{what} {path}: rel. error {errors[path]:.2e}")
+
+    def timer(path: str) -> Callable[[], float]:
+        model, ins = models[path], inputs[path]
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                model.execute(xb, *ins)
+            return (time.perf_counter() - t0) / inner
+
+        return run
+
+    before = read_load()
+    runs = {p: run_paired(timer(base), timer(p), pairs=repetitions, warmup=1) for p in others}
+    load = machine_load(before)
+    samples = {base: [t for r in runs.values() for t in r.a]}
+    samples |= {p: list(r.b) for p, r in runs.items()}
+    med = {p: float(np.median(v)) * 1e3 for p, v in samples.items()}
+    ratios = {p: paired_ratio(list(r.a), list(r.b)) for p, r in runs.items()}
+    return Timed(med, ratios, runs, errors, load, samples)
+
+
 def run_section(
     session: Any,
     *,
@@ -124,8 +180,6 @@ def run_section(
     """Time every shape (``(out, in)``; default :data:`SHAPES`) and batch; ``on_case`` gets
     each case's record as it is measured."""
     from max.driver import Buffer
-
-    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
 
     bandwidth = memory_bandwidth(bandwidth_mib)
     print(f"\nNVFP4 projection; memory bandwidth (numpy copy): {bandwidth / 1e9:.2f} GB/s")
@@ -152,36 +206,18 @@ def run_section(
             x = rng.standard_normal((batch, in_dim), dtype=np.float32)
             xb = Buffer.from_numpy(x)
             ref = x.astype(np.float64) @ W.T.astype(np.float64)
-            errors = {}
-            for path, model in models.items():
-                got = model.execute(xb, *inputs[path])[0].to_numpy()
-                errors[path] = max_rel_error(got, ref)
-                if not errors[path] <= 1e-4:
-                    raise SystemExit(
-                        f"nvfp4 {path} {out_dim}x{in_dim} batch={batch}: rel. error "
-                        f"{errors[path]:.2e}"
-                    )
-
-            def timer(path: str, xb=xb, models=models, inputs=inputs) -> Callable[[], float]:
-                model, ins = models[path], inputs[path]
-
-                def run() -> float:
-                    t0 = time.perf_counter()
-                    for _ in range(inner):
-                        model.execute(xb, *ins)
-                    return (time.perf_counter() - t0) / inner
-
-                return run
-
-            before = read_load()
-            runs = {
-                p: run_paired(timer("fused"), timer(p), pairs=repetitions, warmup=1) for p in OTHERS
-            }
-            load = machine_load(before)
-            samples = {"fused": [t for r in runs.values() for t in r.a]}
-            samples |= {p: list(r.b) for p, r in runs.items()}
-            med = {p: float(np.median(v)) * 1e3 for p, v in samples.items()}
-            ratios = {p: paired_ratio(list(r.a), list(r.b)) for p, r in runs.items()}
+            timed = time_case(
+                models,
+                inputs,
+                xb,
+                ref,
+                base="fused",
+                others=OTHERS,
+                repetitions=repetitions,
+                inner=inner,
+                what=f"nvfp4 {out_dim}x{in_dim} batch={batch}",
+            )
+            med, ratios, runs, load = timed.median_ms, timed.ratios, timed.runs, timed.load
             nbytes = {p: weight_bytes(p, out_dim, in_dim) for p in PATHS}
             roof = {p: nbytes[p] / bandwidth * 1e3 for p in PATHS}
             case = {
@@ -196,8 +232,8 @@ def run_section(
                 "pairs": repetitions,
                 "order": {f"vs_{p}": r.order_string() for p, r in runs.items()},
                 "load": load.to_json(),
-                "max_rel_error": errors,
-                "samples_s": samples,
+                "max_rel_error": timed.errors,
+                "samples_s": timed.samples,
             }
             cases.append(case)
             shown = [
