@@ -37,6 +37,8 @@ def lowrank() -> OpModel:
         (32, 96, 130, 65),  # the first on panels
         (70, 100, 200, 130),  # panels of U with a tail, tiles of 6 rows and a tile of 4
         (512, 256, 192, 16),  # a prefill
+        (40, 64, 48, 128),  # V's rows 512 bytes apart: slabs packed before the tiles
+        (33, 20, 30, 100),  # 400-byte rows: read in place, a tail vector of 4
     ],
 )
 @pytest.mark.xdist_group("lowrank")
