@@ -262,18 +262,8 @@ class InGraphLayout:
         # Families without W0 blocks are in forms without W0 (custom-op path), read back as
         # the GEMM path reads them, never stacked.
         num_layers = _num_layers(shapes, stack)
-        served: dict[str, tuple[Served, ...]] = {}
-        missing = []
-        for family in (f for f in families if f not in bands):
-            how = _read_factored(shapes, family, num_layers, {}, stack)
-            if how is None:
-                missing.append(family)
-            else:
-                served[family] = how
-        if missing:
-            raise ValueError(
-                f"the in-graph state does not hold each projection family once: missing {missing}"
-            )
+        factored = [f for f in families if f not in bands]
+        served = _read_factored_families(shapes, factored, num_layers, {}, stack)
         groups = gemm_groups([f for f in families if f in bands], fuse=fuse)
         counts = _check_bands(bands)
         if len(set(counts.values())) != 1:
@@ -344,19 +334,8 @@ class InGraphLayout:
             )
             if layers:
                 stacked[group] = layers
-        missing = []
-        for family in families:
-            if family in served:
-                continue
-            how = _read_factored(shapes, family, num_layers, stacked, stack)
-            if how is None:
-                missing.append(family)
-            else:
-                served[family] = how
-        if missing:
-            raise ValueError(
-                f"the in-graph state does not hold each projection family once: missing {missing}"
-            )
+        others = [f for f in families if f not in served]
+        served.update(_read_factored_families(shapes, others, num_layers, stacked, stack))
         Gs = set(counts.values())
         return cls(
             gemm=True,
@@ -398,6 +377,28 @@ def _has_factored(shapes: Mapping[str, Sequence[int]], stack: str) -> bool:
         or (key.startswith("attnquant.shared.") and key.endswith(".basis"))
         for key in shapes
     )
+
+
+def _read_factored_families(
+    shapes: Mapping[str, Sequence[int]],
+    families: Sequence[str],
+    num_layers: int,
+    stacked: Mapping[str, tuple[int, ...]],
+    stack: str,
+) -> dict[str, tuple[Served, ...]]:
+    """:func:`_read_factored` of every family; refused in one line naming those not held."""
+    served, missing = {}, []
+    for family in families:
+        how = _read_factored(shapes, family, num_layers, stacked, stack)
+        if how is None:
+            missing.append(family)
+        else:
+            served[family] = how
+    if missing:
+        raise ValueError(
+            f"the in-graph state does not hold each projection family once: missing {missing}"
+        )
+    return served
 
 
 def _read_factored(
