@@ -197,6 +197,13 @@ def main() -> None:
         help="narrow the budget rows' fit to these forms (default: every form; the full "
         "search over banded and shared-basis candidates takes long at 300M on 2 cores)",
     )
+    parser.add_argument(
+        "--against",
+        choices=VARIANTS,
+        help="time every variant against this one instead of float32 (one model served two "
+        "ways, paired: 'budget 0.5' against 'budget 0.5 custom-op'); logit distance and "
+        "rooflines stay against float32",
+    )
     parser.add_argument("--work", type=Path, help="keep the checkpoints here (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
@@ -225,6 +232,14 @@ def main() -> None:
     base = load_pipeline(base_dir, config=AttnquantConfig(), **common)
     base_bytes = base.weight_bytes or 4 * all_params
     prompt = prompt_ids(base.encode, args.prompt_tokens)
+    timed_base, against = base, None
+    if args.against:
+        path, overrides, how = prepare(
+            args.against, base_dir, work, shape, tuple(args.forms) if args.forms else None
+        )
+        against, how = load_variant(args.against, path, overrides, how, common)
+        timed_base = against
+        print(f"ratios against {args.against} ({how}), not float32", flush=True)
     results: dict[str, Any] = {
         "benchmark": "compressed",
         "shape": shape.config(),
@@ -236,6 +251,7 @@ def main() -> None:
             "roofline_tok_s": bandwidth / streamed_bytes(base_bytes, shape),
         },
         "variants": {},
+        "ratios_against": args.against or "float32",
     }
     try:
         for variant in args.variants:
@@ -250,7 +266,7 @@ def main() -> None:
                 parity = logit_parity(base, loaded, PARITY_PROMPTS, 16)
                 before = read_load()
                 runs = bench_pair(
-                    generate_runner(base),
+                    generate_runner(timed_base),
                     generate_runner(loaded),
                     prompt,
                     pairs=args.pairs,
@@ -294,6 +310,8 @@ def main() -> None:
                 args.out.write_text(json.dumps(results, indent=2) + "\n")
     finally:
         base.close()
+        if against is not None:
+            against.close()
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     if args.out:
