@@ -56,6 +56,9 @@ def linear_nvfp4() -> OpModel:
         (23, 64, 130, 5),  # two panels and a 2-column tail, a tile of 5 rows left
         (41, 32, 200, 64),  # largest rank: 64 more steps of every tile
         (512, 512, 192, 16),  # a prefill
+        # Past 2048 inputs a panel takes them 2048 at a time, the sums in float32 scratch.
+        (16, 4096, 64, 0),  # two whole blocks of inputs
+        (20, 4112, 70, 16),  # a third block of 16, the correction with it, a 6-column tail
     ],
 )
 @pytest.mark.xdist_group("linear_nvfp4")

@@ -20,6 +20,7 @@ comptime ACT_GELU_TANH = 2
 # How a tile of results reaches the output.
 comptime STORE = 0  # out[m, n] = value
 comptime GATE_MUL = 1  # out[m, n] = act(out[m, n]) * value (out holds the gate)
+comptime ADD = 2  # out[m, n] += value (a later block of the inputs)
 
 comptime F32 = DType.float32
 

@@ -15,16 +15,23 @@ from std.math import ceildiv
 
 from max.algorithm import parallelize
 
-from ._common import F32, STORE, Ptr
+from ._common import ADD, F32, STORE, Ptr
 from ._cpu import M_BLOCK, N_BLOCK, project_cpu
 from ._nvfp4 import QBLOCK, U8, _nvfp4_block, e2m1_x2_block, e4m3_half_table
 from ._panel import (
+    NV,
     NVFP4_PANEL_FROM_ROWS,
+    PSW,
     PW,
     fill_correction,
     panel_rows,
     store_transposed,
 )
+
+# Inputs of a panel at a time: 2048 x 64 float32 (512 KiB) stays in a 2 MiB L2 beside the rows
+# of x; a whole K of 8192 (2 MiB) did not: 512 x 2048 x 8192 ran at 77-90 GMAC/s against
+# 109-152 for K = 2048 (standalone driver, best of 6 calls).
+comptime KC = 2048
 
 
 def _fill_panel[
@@ -44,9 +51,10 @@ def _fill_panel[
     K: Int,
     n0: Int,
     panel: Ptr[F32],
+    k0: Int,
 ):
-    """`panel[k, c]` = W[n0 + c, k] * s[n0 + c] for k < K, then `panel[K + q, c]` = U[n0 + c, q]
-    for q < r (row stride PW)."""
+    """`panel[k, c]` = W[n0 + c, k0 + k] * s[n0 + c] for k < K (k0 a multiple of 16), then
+    `panel[K + q, c]` = U[n0 + c, q] for q < r (row stride PW)."""
     comptime assert PW % QBLOCK == 0, "a panel holds whole 16 x 16 tiles"
     for g in range(PW // QBLOCK):
         var c0 = g * QBLOCK
@@ -55,12 +63,13 @@ def _fill_panel[
         var f = Array[Float32, QBLOCK](fill=0)
         comptime for i in range(QBLOCK):
             f[i] = s.unsafe_load((n0 + c0 + i) * s_step).cast[F32]() * scale_2
+        var b0 = k0 // QBLOCK
         for b in range(K // QBLOCK):
             var rows = Array[SIMD[F32, QBLOCK], QBLOCK](fill=0)
             comptime for i in range(QBLOCK):
                 var n = n0 + c0 + i
-                var step = table.unsafe_load(Int(scale.unsafe_load(n * ss + b))) * f[i]
-                rows[i] = e2m1_x2_block(w.unsafe_offset(n * ws), b) * step
+                var step = table.unsafe_load(Int(scale.unsafe_load(n * ss + b0 + b))) * f[i]
+                rows[i] = e2m1_x2_block(w.unsafe_offset(n * ws), b0 + b) * step
             store_transposed[F32](rows^, panel, PW, b * QBLOCK * PW + c0)
     fill_correction[sdt](u, us, r, K, n0, panel)
 
@@ -106,13 +115,41 @@ def nvfp4_linear_cpu[
     var n_tail = panels * PW
 
     def panel_item(i: Int) {var}:
-        var buf = List[Float32](unsafe_uninit_length=(K + r) * PW)
+        var n0 = i * PW
+        if K <= KC:
+            var buf = List[Float32](unsafe_uninit_length=(K + r) * PW)
+            var panel = buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+            _fill_panel[sdt](
+                w, ws, scale, ss, table, scale_2, s, s_step, u, us, r, K, n0, panel, 0
+            )
+            panel_rows[xdt, odt, STORE, 0](x, xs, t, r, panel, K, dst, os, M, n0)
+            _ = buf^
+            return
+        # A long K: KC inputs at a time, the correction with the last block, the sums in a
+        # float32 [M, PW] scratch (the output may be bfloat16), then written out.
+        var buf = List[Float32](unsafe_uninit_length=(KC + r) * PW)
         var panel = buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-        _fill_panel[sdt](
-            w, ws, scale, ss, table, scale_2, s, s_step, u, us, r, K, i * PW, panel
-        )
-        panel_rows[xdt, odt, STORE, 0](x, xs, t, r, panel, K, dst, os, M, i * PW)
+        var sums_buf = List[Float32](unsafe_uninit_length=M * PW)
+        var sums = sums_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+        for k0 in range(0, K, KC):
+            var kk = min(KC, K - k0)
+            var rr = r if k0 + kk == K else 0
+            var xk = x.unsafe_offset(k0)
+            _fill_panel[sdt](
+                w, ws, scale, ss, table, scale_2, s, s_step, u, us, rr, kk, n0, panel, k0
+            )
+            if k0 == 0:
+                panel_rows[xdt, F32, STORE, 0](xk, xs, t, rr, panel, kk, sums, PW, M, 0)
+            else:
+                panel_rows[xdt, F32, ADD, 0](xk, xs, t, rr, panel, kk, sums, PW, M, 0)
+        for m in range(M):
+            comptime for c in range(NV):
+                dst.unsafe_store[width=PSW](
+                    m * os + n0 + c * PSW,
+                    sums.unsafe_load[width=PSW](m * PW + c * PSW).cast[odt](),
+                )
         _ = buf^
+        _ = sums_buf^
 
     if panels > 0:
         parallelize(panel_item, panels)

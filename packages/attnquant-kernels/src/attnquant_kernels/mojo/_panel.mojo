@@ -16,7 +16,7 @@ from std.collections import Array
 from std.math import fma
 from std.sys import simd_width_of
 
-from ._common import F32, GATE_MUL, Ptr, activate
+from ._common import ADD, F32, GATE_MUL, Ptr, activate
 
 # float32 SIMD lanes (8 on AVX2, 16 on AVX-512, 4 on NEON).
 comptime PSW = simd_width_of[F32]()
@@ -120,7 +120,7 @@ def _panel_tile[
     os: Int,
 ):
     """`dst[j, :PW]` = x[j, :] @ panel[:K] + t[j, :] @ panel[K:] for mr rows (x, t and dst at
-    the tile's first row and column); GATE_MUL: `act(dst) * that`."""
+    the tile's first row and column); GATE_MUL: `act(dst) * that`; ADD: `dst + that`."""
     var acc = Array[SIMD[F32, PSW], mr * NV](fill=0)
     for k in range(K):
         var p = Array[SIMD[F32, PSW], NV](fill=0)
@@ -147,6 +147,9 @@ def _panel_tile[
                 comptime for l in range(PSW):
                     out[l] = activate[act](gate[l]) * acc[j * NV + v][l]
                 at.unsafe_store[width=PSW](out.cast[odt]())
+            elif combine == ADD:
+                var sum = at.unsafe_load[width=PSW]().cast[F32]() + acc[j * NV + v]
+                at.unsafe_store[width=PSW](sum.cast[odt]())
             else:
                 at.unsafe_store[width=PSW](acc[j * NV + v].cast[odt]())
 
