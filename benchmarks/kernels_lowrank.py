@@ -17,12 +17,11 @@ the memory bandwidth of a numpy copy, as in the NVFP4 section. CPU only.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from kernels_nvfp4 import memory_bandwidth, time_case
+from kernels_nvfp4 import load_paths, memory_bandwidth, time_case
 
 #: ``(out, in)`` of the projections timed.
 SHAPES: tuple[tuple[int, int], ...] = ((1024, 1024), (4096, 1024), (1024, 4096))
@@ -102,12 +101,13 @@ def run_section(
         V = (rng.standard_normal((in_dim, rank)) / np.sqrt(in_dim)).astype(np.float32)
         W = (U.astype(np.float64) @ V.T.astype(np.float64)).astype(np.float32)
         arrays = {"op": [U, V], "gemm": [U, V], "f32": [W]}
-        models, inputs = {}, {}
-        for path in PATHS:
-            t0 = time.perf_counter()
-            models[path] = session.load(build_graph(path, out_dim, in_dim, rank))
-            compile_s[f"lowrank_{path}_{out_dim}x{in_dim}"] = time.perf_counter() - t0
-            inputs[path] = [Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays[path]]
+        models, inputs = load_paths(
+            session,
+            arrays,
+            lambda path, o=out_dim, i=in_dim, r=rank: build_graph(path, o, i, r),
+            compile_s,
+            f"lowrank_{{}}_{out_dim}x{in_dim}",
+        )
         nbytes = {"op": U.nbytes + V.nbytes, "gemm": U.nbytes + V.nbytes, "f32": W.nbytes}
         roof = {p: nbytes[p] / bandwidth * 1e3 for p in PATHS}
         for batch in batches:

@@ -110,6 +110,26 @@ def build_graph(path: str, out_dim: int, in_dim: int):
     return g
 
 
+def load_paths(
+    session: Any,
+    arrays: dict[str, list[np.ndarray]],
+    build: Callable[[str], Any],
+    compile_s: dict[str, float],
+    label: str,
+) -> tuple[dict[str, Any], dict[str, list]]:
+    """Compile ``build(path)`` for every path of ``arrays`` (its weights, as host buffers),
+    each compile-and-load time recorded under ``label.format(path)``."""
+    from max.driver import Buffer
+
+    models, inputs = {}, {}
+    for path, weights in arrays.items():
+        t0 = time.perf_counter()
+        models[path] = session.load(build(path))
+        compile_s[label.format(path)] = time.perf_counter() - t0
+        inputs[path] = [Buffer.from_numpy(np.ascontiguousarray(a)) for a in weights]
+    return models, inputs
+
+
 class Timed(NamedTuple):
     """One case of :func:`time_case`: medians (ms), ``base``/other ratios, the paired runs of
     each other path, every path's error, the machine's load over the timing, the samples (s)."""
@@ -196,12 +216,13 @@ def run_section(
         packed = nvfp4_random(rng, out_dim, in_dim)
         W = nvfp4_dequantize(*packed)
         arrays = {p: list(packed) for p in PATHS} | {"f32": [W]}
-        models, inputs = {}, {}
-        for path in PATHS:
-            t0 = time.perf_counter()
-            models[path] = session.load(build_graph(path, out_dim, in_dim))
-            compile_s[f"nvfp4_{path}_{out_dim}x{in_dim}"] = time.perf_counter() - t0
-            inputs[path] = [Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays[path]]
+        models, inputs = load_paths(
+            session,
+            arrays,
+            lambda path, o=out_dim, i=in_dim: build_graph(path, o, i),
+            compile_s,
+            f"nvfp4_{{}}_{out_dim}x{in_dim}",
+        )
         for batch in batches:
             x = rng.standard_normal((batch, in_dim), dtype=np.float32)
             xb = Buffer.from_numpy(x)
