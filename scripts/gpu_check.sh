@@ -3,7 +3,8 @@
 #
 # What it measures, on the first accelerator MAX sees (an NVIDIA H200 when one is lent):
 #   1. tests/test_gpu.py -m gpu -k "not nvfp4": the GPU variant of attnquant-kernels'
-#      generated_linear and generated_mlp against the numpy identity
+#      generated_linear, generated_mlp and generated_lowrank (issue 15: y = (x @ V) @ U.T, the
+#      forms without W0, ranks up to 409) against the numpy identity
 #      y = s*(x @ W0.T) + (x @ V) @ U.T (float32 within 1e-4, bfloat16 inputs within 2e-2, relative
 #      to the largest output; ranks 0/16/64, batches 1/16/64 and a few projection-sized shapes;
 #      SiLU and tanh-GELU)                                    -> $OUT/kernels_gpu_errors.json
