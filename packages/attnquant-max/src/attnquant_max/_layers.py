@@ -39,8 +39,7 @@ so each band's weight is one graph weight however many layers use it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
@@ -51,7 +50,7 @@ from attnquant_core.io import NVFP4_PARTS, nvfp4_key
 
 from ._factored_layers import FactoredLinear, ThetaStackedInput
 from ._layout import FUSED_GROUPS, InGraphLayout, gemm_band_key
-from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, packed_specs
+from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, on_rows, packed_specs
 
 __all__ = [
     "ThetaBuilder",
@@ -98,15 +97,6 @@ class ThetaSharedBlocks(Module):
 
 def _zeros(dtype: DType, shape: Sequence[int], device: DeviceRef) -> TensorValue:
     return ops.broadcast_to(ops.constant(0, dtype, device=device), list(shape))
-
-
-def _rows(op: Callable[..., TensorValue], x: TensorValue, *operands: Any, out: int) -> TensorValue:
-    """Apply a custom op that takes ``[M, in]`` to ``x`` of any rank (leading dims folded)."""
-    if x.rank == 2:
-        return op(x, *operands)
-    lead = list(x.shape[:-1])
-    y = op(ops.reshape(x, [-1, x.shape[-1]]), *operands)
-    return ops.reshape(y, [*lead, out])
 
 
 class ThetaLinear(Module):
@@ -197,7 +187,10 @@ class ThetaLinear(Module):
         if self.custom_op:
             from attnquant_kernels.graph import generated_linear
 
-            return _rows(generated_linear, x, *self.kernel_operands(x.device), out=self.out_dim)
+            operands = self.kernel_operands(x.device)
+            return on_rows(
+                x, self.in_dim, self.out_dim, lambda rows: generated_linear(rows, *operands)
+            )
         if self.precompute:
             return x @ self.effective_weight(self.band.to(x.device)).T
         h = x @ self.band.to(x.device).T
@@ -362,7 +355,8 @@ class ThetaMLP(Module):
             def mlp(rows: TensorValue) -> TensorValue:
                 return generated_mlp(rows, gate, up, down, activation="silu")
 
-            return _rows(mlp, x, out=self.down_proj.out_dim)
+            hidden = self.down_proj.out_dim
+            return on_rows(x, hidden, hidden, mlp)
         gate, up = ops.split(
             self.gate_up_proj(x), [self.feed_forward_length, self.feed_forward_length], axis=-1
         )
