@@ -48,6 +48,13 @@ def linear_nvfp4() -> OpModel:
         (5, 160, 130, 7),  # a tile plus a decode row, several parallel blocks
         (1, 2048, 67, 16),  # decode at a real width
         (16, 1024, 256, 16),
+        # Below 8 rows on AVX-512: 16 weight rows in the lanes, 128 inputs a chunk, tiles of
+        # 4, 2 and 1 input rows; a last part of the inputs padded; rows past the last 16 as above.
+        (2, 128, 16, 0),  # one chunk, one tile
+        (4, 256, 48, 3),  # two chunks, three tiles of 16 rows
+        (7, 272, 80, 16),  # input tiles of 4, 2 and 1; two chunks and 16 inputs padded
+        (6, 1024, 1040, 64),  # largest rank, several work items
+        (1, 4096, 1030, 16),  # the decode of a down projection, a 6-row tail
         (64, 256, 40, 0),  # a whole batch block
         (70, 32, 18, 3),  # two batch blocks
         # From 16 rows on: panels of 64 (AVX-512) or 16 output columns decoded once, then

@@ -2,8 +2,10 @@
 #
 #   y[m, n] = s[n] * scale_2 * <W'[n, :], x[m, :]> + <U[n, :], t[m, :]>,   t = x @ V
 #
-# Few rows (a decode step): `_nvfp4_block` (_nvfp4.mojo), each weight block decoded in
-# registers inside the dot products, so a step reads 4.5 bits per weight.
+# Few rows (a decode step): on AVX-512 below LANES_BELOW_ROWS rows, `nvfp4_lanes_rows`
+# (_nvfp4_lanes.mojo), sixteen weight rows in the lanes; else `_nvfp4_block` (_nvfp4.mojo),
+# each weight block decoded in registers inside the dot products. Either way a step reads 4.5
+# bits per weight.
 #
 # From NVFP4_PANEL_FROM_ROWS (16) rows on (a prefill) the op is the panel GEMM of _panel.mojo:
 # the weight is decoded once per call, a panel of PW output columns at a time, into a scratch
@@ -18,6 +20,7 @@ from max.algorithm import parallelize
 from ._common import ADD, F32, STORE, Ptr
 from ._cpu import M_BLOCK, N_BLOCK, project_cpu
 from ._nvfp4 import QBLOCK, U8, _nvfp4_block, e2m1_x2_block, e4m3_half_table
+from ._nvfp4_lanes import LANES, LANES_BELOW_ROWS, LANES_GROUPS, NVFP4_LANES, nvfp4_lanes_rows
 from ._panel import (
     NV,
     NVFP4_PANEL_FROM_ROWS,
@@ -153,6 +156,39 @@ def nvfp4_linear_cpu[
 
     if panels > 0:
         parallelize(panel_item, panels)
+
+    comptime if NVFP4_LANES:
+        if M < LANES_BELOW_ROWS and N - n_tail >= LANES:
+            # A decode step on AVX-512: sixteen weight rows in the lanes (_nvfp4_lanes.mojo).
+            var n_lanes = n_tail
+            var groups = (N - n_tail) // LANES
+
+            def lanes_item(i: Int) {var}:
+                nvfp4_lanes_rows[xdt, sdt, odt](
+                    x,
+                    xs,
+                    w,
+                    ws,
+                    scale,
+                    ss,
+                    scale_2,
+                    s,
+                    s_step,
+                    u,
+                    us,
+                    t,
+                    r,
+                    dst,
+                    os,
+                    K,
+                    0,
+                    M,
+                    n_lanes + i * LANES_GROUPS * LANES,
+                    n_lanes + min(groups, (i + 1) * LANES_GROUPS) * LANES,
+                )
+
+            parallelize(lanes_item, ceildiv(groups, LANES_GROUPS))
+            n_tail += groups * LANES
 
     if n_tail < N:
         var m_blocks = ceildiv(M, M_BLOCK)
