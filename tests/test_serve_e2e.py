@@ -69,6 +69,12 @@ def test_verify_compressed_reports_and_fails(demo, theta_dir, tmp_path, capsys):
     code, report, text = _verify(demo, theta_dir(1, 8), tmp_path, capsys)
     assert report["max_abs_logprob_delta"] >= 1.0 or report["agreement"] < 0.9
     assert not report["native_equivalent"]
+    # One base margin per greedy miss, ascending; near-ties counted over every position.
+    margins = report["miss_margins"]
+    assert len(margins) == round((1 - report["agreement"]) * report["num_tokens"]) > 0
+    assert margins == sorted(margins) and margins[0] >= 0.0
+    assert 0 <= report["near_ties"] <= report["num_tokens"]
+    assert "base top-2 margin at the misses" in text
     assert code == 1
     assert "verdict: NOT native-equivalent" in text
 

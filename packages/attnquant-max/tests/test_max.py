@@ -16,9 +16,12 @@ import pytest
 
 from attnquant_core import BandMismatchError
 from attnquant_max import (
+    NEAR_TIE,
     AttnquantConfig,
     LoadedModel,
+    ParityReport,
     ThetaWeightAdapter,
+    TokenScores,
     WeightKeyError,
     config_override,
     greedy_generate,
@@ -91,6 +94,26 @@ def test_teacher_forced_scores_match_greedy(dense_model: LoadedModel) -> None:
     assert scores.logprobs.shape == (6,)
     assert np.all(scores.logprobs <= 0.0)
     assert scores.greedy.tolist() == continuation  # greedy tokens are the argmax
+    assert scores.margin is not None and np.all(scores.margin >= 0.0)
+
+
+def test_parity_report_gives_the_base_margin_at_each_miss() -> None:
+    """Misses listed by how close the base's own choice was; near-ties counted over all."""
+    base = [
+        TokenScores(np.log([0.5, 0.4, 0.3]), np.array([1, 2, 3]), np.array([0.05, 2.0, 0.3])),
+        TokenScores(np.log([0.6, 0.2]), np.array([4, 5]), np.array([0.01, 1.0])),
+    ]
+    theta = [
+        TokenScores(np.log([0.5, 0.4, 0.3]), np.array([9, 2, 9]), np.array([0.1, 2.0, 0.2])),
+        TokenScores(np.log([0.5, 0.2]), np.array([4, 9]), np.array([0.0, 1.0])),
+    ]
+    report = ParityReport.from_scores(base, theta, [[1, 2, 3], [4, 5]])
+    assert report.agreement == pytest.approx(2 / 5)
+    assert report.miss_margins == (0.05, 0.3, 1.0)
+    assert report.near_ties == sum(m < NEAR_TIE for m in (0.05, 2.0, 0.3, 0.01, 1.0)) == 2
+    unknown = [TokenScores(b.logprobs, b.greedy) for b in base]
+    report = ParityReport.from_scores(unknown, theta, [[1, 2, 3], [4, 5]])
+    assert (report.miss_margins, report.near_ties) == ((), None)
 
 
 def test_logit_parity_of_passthrough_is_native_equivalent(
@@ -101,6 +124,7 @@ def test_logit_parity_of_passthrough_is_native_equivalent(
     assert report.agreement == 1.0
     assert report.max_abs_logprob_delta < 1e-4
     assert (report.num_prompts, report.num_tokens) == (3, 24)
+    assert report.miss_margins == () and 0 <= report.near_ties <= 24
 
 
 def test_adapter_decomposes_a_dense_checkpoint_at_load(

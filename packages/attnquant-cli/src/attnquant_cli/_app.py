@@ -839,7 +839,7 @@ def verify(
 ) -> int:
     """Logit parity of THETA against BASE; exit 1 when not native-equivalent."""
     from attnquant_core import require_intact
-    from attnquant_max import AGREEMENT_THRESHOLD, DELTA_THRESHOLD, logit_parity
+    from attnquant_max import AGREEMENT_THRESHOLD, DELTA_THRESHOLD, NEAR_TIE, logit_parity
 
     base, theta = _model(str(base)), _model(str(theta))
     for checkpoint in {base, theta}:  # MAX reads a dense base itself: check it here
@@ -867,6 +867,20 @@ def verify(
         "max |logprob delta|", f"{report.max_abs_logprob_delta:.3g}", f"< {DELTA_THRESHOLD}"
     )
     table.add_row("greedy agreement", f"{report.agreement:.1%}", f">= {AGREEMENT_THRESHOLD:.0%}")
+    if report.miss_margins:
+        # How close the base's own choice was where the theta model chose otherwise.
+        table.add_row(
+            "base top-2 margin at the misses",
+            f"{report.miss_margins[0]:.3g} to {report.miss_margins[-1]:.3g} nats",
+            f"{sum(m < NEAR_TIE for m in report.miss_margins)} of "
+            f"{len(report.miss_margins)} < {NEAR_TIE}",
+        )
+    if report.near_ties is not None:
+        table.add_row(
+            f"base near-ties (margin < {NEAR_TIE})",
+            f"{report.near_ties} of {report.num_tokens}",
+            "",
+        )
     table.add_row(
         "prompts x tokens",
         f"{report.num_prompts} x {report.num_tokens // max(report.num_prompts, 1)}",

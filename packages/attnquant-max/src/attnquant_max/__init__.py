@@ -43,6 +43,7 @@ from ._export import ExportProgress, export_nvfp4
 from ._generate import (
     AGREEMENT_THRESHOLD,
     DELTA_THRESHOLD,
+    NEAR_TIE,
     LoadedModel,
     ParityReport,
     TokenScores,
@@ -126,6 +127,7 @@ __all__ = [
     # in-process generation and logit parity
     "AGREEMENT_THRESHOLD",
     "DELTA_THRESHOLD",
+    "NEAR_TIE",
     "LoadedModel",
     "ParityReport",
     "TokenScores",

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 DELTA_THRESHOLD = 1.0
 #: ... and greedy-token agreement at least this.
 AGREEMENT_THRESHOLD = 0.9
+#: A base position whose top two log-probabilities are closer than this (nats) is a near-tie:
+#: a greedy miss there says little about the theta model (:attr:`ParityReport.near_ties`).
+NEAR_TIE = 0.1
 
 
 @dataclass
@@ -155,10 +158,13 @@ class TokenScores:
         ``log p(continuation[t] | prompt + continuation[:t])``, float64.
     greedy : ndarray of shape (n,)
         The model's top-1 token at each of those positions.
+    margin : ndarray of shape (n,) or None
+        Its top-1 minus its top-2 log-probability there (how close the greedy choice was).
     """
 
     logprobs: np.ndarray
     greedy: np.ndarray
+    margin: np.ndarray | None = None
 
 
 def greedy_logprobs(
@@ -182,10 +188,15 @@ def greedy_logprobs(
         )
         rows.extend(np.asarray(logits[0]) for logits in result.logits)
     if not rows:
-        return TokenScores(np.zeros(0), np.zeros(0, dtype=np.int64))
+        return TokenScores(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0))
     logp = _log_softmax(np.stack(rows))
     idx = np.arange(len(continuation))
-    return TokenScores(logprobs=logp[idx, continuation], greedy=logp.argmax(axis=-1))
+    top2 = np.partition(logp, -2, axis=-1)[:, -2:]
+    return TokenScores(
+        logprobs=logp[idx, continuation],
+        greedy=logp.argmax(axis=-1),
+        margin=top2[:, 1] - top2[:, 0],
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +213,12 @@ class ParityReport:
         ``max_abs_logprob_delta < 1.0`` and ``agreement >= 0.9``.
     num_prompts, num_tokens : int
         What was scored.
+    miss_margins : tuple of float
+        The base's top-1 minus top-2 log-probability at each position where the theta model's
+        greedy token differs, ascending (empty where the base's margins are unknown): misses
+        at near-ties are the ones any small perturbation makes.
+    near_ties : int or None
+        Positions where the base's margin is under :data:`NEAR_TIE` nats, missed or not.
     base_weight_bytes, theta_weight_bytes : int or None
         Bytes of the weights each compiled decoder holds, where known
         (:attr:`LoadedModel.weight_bytes`): what NVFP4 or an in-graph path saves.
@@ -212,6 +229,8 @@ class ParityReport:
     native_equivalent: bool
     num_prompts: int
     num_tokens: int
+    miss_margins: tuple[float, ...] = ()
+    near_ties: int | None = None
     base_weight_bytes: int | None = None
     theta_weight_bytes: int | None = None
 
@@ -227,12 +246,21 @@ class ParityReport:
         n = sum(len(c) for c in tokens)
         delta = float(max((d.max() for d in deltas if d.size), default=0.0))
         agreement = float(sum(int(a.sum()) for a in agree) / n) if n else 1.0
+        margins = [b.margin for b in base]
+        known = all(m is not None for m in margins)
+        misses = (
+            sorted(float(x) for m, a in zip(margins, agree, strict=True) for x in m[~a])
+            if known
+            else []
+        )
         return cls(
             max_abs_logprob_delta=delta,
             agreement=agreement,
             native_equivalent=delta < DELTA_THRESHOLD and agreement >= AGREEMENT_THRESHOLD,
             num_prompts=len(tokens),
             num_tokens=n,
+            miss_margins=tuple(misses),
+            near_ties=int(sum((m < NEAR_TIE).sum() for m in margins)) if known else None,
         )
 
 
