@@ -49,21 +49,23 @@ comptime E2M1_X2 = SIMD[U8, 16](
 
 
 @always_inline
+def e4m3[width: Int](byte: SIMD[DType.uint32, width]) -> SIMD[F32, width]:
+    """The float8_e4m3fn value of the low byte of each lane (0x7F, 0xFF: NaN), exactly."""
+    var b = byte & 0xFF
+    var mag = b & 0x7F
+    # Normal: exponent e - 7 and 3 mantissa bits moved under float32's (bias 127 = 7 + 120).
+    var normal = bitcast[F32, width]((mag << 20) + UInt32(120 << 23))
+    # Subnormal (e = 0): m * 2^-9.
+    var sub = mag.cast[F32]() * Float32(0.001953125)
+    var value = mag.lt(8).select(sub, normal)
+    value = mag.eq(0x7F).select(SIMD[F32, width](Float32.MAX * 2 - Float32.MAX * 2), value)
+    return bitcast[F32, width](bitcast[DType.uint32, width](value) | ((b & 0x80) << 24))
+
+
+@always_inline
 def e4m3_half(byte: UInt8) -> Float32:
     """Half the float8_e4m3fn value of `byte` in float32 (0x7F and 0xFF: NaN)."""
-    var b = UInt32(byte)
-    var e = (b >> 3) & 0xF
-    var m = b & 7
-    var mag: Float32
-    if e == 15 and m == 7:
-        mag = Float32.MAX * 2  # inf, made NaN below
-        mag = mag - mag
-    elif e == 0:
-        mag = Float32(m) * Float32(0.0009765625)  # m * 2^-9 / 2
-    else:
-        # 2^(e - 7) * (1 + m / 8) / 2: biased float32 exponent e - 8 + 127.
-        mag = bitcast[F32, 1](((e + 119) << 23) | (m << 20))
-    return -mag if (b & 0x80) != 0 else mag
+    return e4m3[1](UInt32(byte)) * 0.5
 
 
 def e4m3_half_table() -> List[Float32]:

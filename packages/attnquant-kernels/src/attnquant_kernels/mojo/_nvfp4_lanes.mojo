@@ -11,7 +11,8 @@
 # input k: a shift brings its code to the low 4 bits, one `vpermps` looks the 16 codes up in
 # a register table of the E2M1 values, and one FMA with x[k] broadcast adds them to the
 # block's sums; per block the sums are multiplied by the 16 rows' decoded E4M3 scales. About 3
-# instructions per 16 weights, and the outputs of 16 rows leave in one store.
+# instructions per 16 weights, and the 16 rows' outputs take the scales and correction of
+# the other decode tiles (`_nvfp4_store`).
 #
 # Measured (standalone driver, one input row, r = 16, the weight in DRAM, each call on a fresh
 # copy, interleaved): 4096 x 1024 in 0.19-0.21 ms against _nvfp4_block's 0.33-0.36 ms;
@@ -27,8 +28,7 @@ from std.memory import bitcast
 from std.sys import CompilationTarget, PrefetchOptions, llvm_intrinsic, prefetch
 
 from ._common import F32, Ptr
-from ._cpu import _dot_rank
-from ._nvfp4 import U8
+from ._nvfp4 import U8, _nvfp4_store, e4m3
 
 # Weight rows of a tile: the float32 lanes of an AVX-512 register.
 comptime LANES = 16
@@ -52,8 +52,8 @@ comptime E2M1 = SIMD[F32, LANES](
 comptime NVFP4_LANES = CompilationTarget.has_avx512f()
 # Input rows below which they serve a projection; from 8 rows on, decoding a weight row once
 # into a float scratch for every input row (_nvfp4_block) is as fast. _nvfp4_block's time over
-# this one's, as below (before the L2 prefetch): 1.48 at 1 row, 2.00 at 2, 1.89 at 3, 1.27 at 4, 1.28 at 6, 1.01 at 8,
-# 0.99 at 12.
+# this one's, measured as in the header (before the L2 prefetch): 1.48 at 1 row, 2.00 at 2,
+# 1.89 at 3, 1.27 at 4, 1.28 at 6, 1.01 at 8, 0.99 at 12.
 comptime LANES_BELOW_ROWS = 8
 # Tiles of 16 weight rows per parallel work item.
 comptime LANES_GROUPS = 4
@@ -112,20 +112,6 @@ def _transpose(mut rows: Array[SIMD[U32, LANES], LANES]):
 
 
 @always_inline
-def _e4m3(byte: SIMD[U32, LANES]) -> SIMD[F32, LANES]:
-    """The float8_e4m3fn value of the low byte of each lane (0x7F, 0xFF: NaN), exactly."""
-    var b = byte & 0xFF
-    var mag = b & 0x7F
-    # Normal: exponent e - 7 and 3 mantissa bits moved under float32's (bias 127 = 7 + 120).
-    var normal = bitcast[F32, LANES]((mag << 20) + UInt32(120 << 23))
-    # Subnormal (e = 0): m * 2^-9.
-    var sub = mag.cast[F32]() * Float32(0.001953125)
-    var value = mag.lt(8).select(sub, normal)
-    value = mag.eq(0x7F).select(SIMD[F32, LANES](Float32.MAX * 2 - Float32.MAX * 2), value)
-    return bitcast[F32, LANES](bitcast[U32, LANES](value) | ((b & 0x80) << 24))
-
-
-@always_inline
 def _scale_bytes(
     scale: Ptr[U8], ss: Int
 ) -> Tuple[SIMD[DType.uint64, 8], SIMD[DType.uint64, 8]]:
@@ -143,10 +129,10 @@ def _block_scale[
     b: Int
 ](lo: SIMD[DType.uint64, 8], hi: SIMD[DType.uint64, 8]) -> SIMD[F32, LANES]:
     """The decoded E4M3 scales of block b of the chunk, lane i for row i."""
-    # Lane i: byte b of row i's 8 bytes (shifted down; _e4m3 masks the higher bytes).
+    # Lane i: byte b of row i's 8 bytes (shifted down; e4m3 masks the higher bytes).
     var l = (lo >> UInt64(8 * b)).cast[U32]()
     var h = (hi >> UInt64(8 * b)).cast[U32]()
-    return _e4m3(l.join(h))
+    return e4m3[LANES](l.join(h))
 
 
 @always_inline
@@ -266,17 +252,11 @@ def _lanes_tile[
             wb,
             acc,
         )
-    var rs = SIMD[F32, LANES](0)
-    comptime for i in range(LANES):
-        rs[i] = s.unsafe_load((n + i) * s_step).cast[F32]() * scale_2
+    var d = Array[Float32, mr * LANES](fill=0)
     comptime for j in range(mr):
-        var value = acc[j] * rs
-        if r > 0:
-            comptime for i in range(LANES):
-                value[i] += _dot_rank[sdt](
-                    u.unsafe_offset((n + i) * us), t.unsafe_offset((m + j) * r), r
-                )
-        dst.unsafe_store[width=LANES]((m + j) * os + n, value.cast[odt]())
+        comptime for i in range(LANES):
+            d[j * LANES + i] = acc[j][i]
+    _nvfp4_store[sdt, odt, mr, LANES](d, scale_2, s, s_step, u, us, t, r, r, dst, os, m, n)
 
 
 def nvfp4_lanes_rows[
