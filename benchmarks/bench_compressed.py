@@ -17,6 +17,9 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 * ``nvfp4+r16``: ``decompose --quant nvfp4 --rank 16`` (format v4), served in the graph as stored
   (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``): the packed ``W0``, ``s``, ``U``, ``V`` of each projection
   in one fused ``generated_linear_nvfp4`` dispatch;
+* ``nvfp4+head`` / ``nvfp4+r16+head``: the same with the output head in NVFP4 too
+  (``ATTNQUANT_QUANT_HEAD=1``: one more fused dispatch a step, reading 4.5 bits a weight where
+  the float32 head reads 32), as the GGUF rows hold theirs in 4 bits;
 * ``gguf q4_0`` / ``gguf q4_k``: what a CPU user picks instead for 4-bit: the same weights
   written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
   (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served
@@ -28,8 +31,8 @@ For each: weight bytes the compiled model holds, decode tok/s at batch 1 (64 new
 to float32, and the logit distance to float32 (max |log-prob delta| of float32's greedy tokens
 and greedy agreement, over 4 prompts x 16 tokens). The roofline beside them: the fastest decode
 the bytes allow, the memory traffic a numpy copy sustains (bytes read plus written per second)
-over the bytes one decode step reads (every weight held, less an untied embedding table, of
-which a step reads one row).
+over the bytes one decode step reads (every weight held, less an embedding table that is not
+also the head, of which a step reads one row).
 
 Run: ``HF_HUB_OFFLINE=1 uv run python benchmarks/bench_compressed.py --shape 300m --out r.json``.
 """
@@ -55,6 +58,8 @@ VARIANTS = (
     "budget 0.5 custom-op",
     "nvfp4",
     "nvfp4+r16",
+    "nvfp4+head",
+    "nvfp4+r16+head",
     "gguf q4_0",
     "gguf q4_k",
 )
@@ -74,16 +79,25 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def _table_bytes(shape: Any, variant: str | None) -> float:
-    """Bytes of one embedding (or head) table: float32 in every variant but the GGUF ones
+    """Bytes of the embedding table: float32 in every variant but the GGUF ones
     (q4_0: 18 bytes a 32 weights; q4_k: 144 a 256)."""
     per_weight = {"gguf q4_0": 18 / 32, "gguf q4_k": 144 / 256}.get(variant or "", 4)
     return shape.vocab * shape.hidden * per_weight
 
 
+def _head_bytes(shape: Any, variant: str | None) -> float | None:
+    """Bytes of a head held apart from the embedding table (``None``: a tied head, the table
+    itself): NVFP4 in the ``+head`` variants (``ATTNQUANT_QUANT_HEAD=1``: 4.5 bits a weight
+    and the per-tensor scale; a tied head is then quantized from the table, which stays)."""
+    if (variant or "").endswith("+head"):
+        return shape.vocab * shape.hidden * 9 / 16 + 4
+    return None if shape.tie_embeddings else _table_bytes(shape, variant)
+
+
 def streamed_bytes(held: int, shape: Any, variant: str | None = None) -> int:
-    """Bytes one batch-1 decode step reads: ``held`` less an untied embedding table (of which
-    it reads one row)."""
-    if shape.tie_embeddings:
+    """Bytes one batch-1 decode step reads: ``held`` less an embedding table that is not the
+    head (of which it reads one row)."""
+    if _head_bytes(shape, variant) is None:
         return held
     table = _table_bytes(shape, variant)
     return held - int(table) + int(table / shape.vocab)
@@ -92,9 +106,9 @@ def streamed_bytes(held: int, shape: Any, variant: str | None = None) -> int:
 def projection_bytes(held: int, shape: Any, variant: str | None = None) -> int:
     """Of ``held``, the projections' bytes: what is not the embedding, head and norms
     (float32 norms in every variant)."""
-    tables = 1 if shape.tie_embeddings else 2
+    head = _head_bytes(shape, variant) or 0
     norms = (2 * shape.layers + 1) * shape.hidden * 4
-    return held - int(tables * _table_bytes(shape, variant)) - norms
+    return held - int(_table_bytes(shape, variant)) - int(head) - norms
 
 
 def _stock_loaded(directory: Path, gguf: Path, *, max_length: int, encoding: str = "q4_0") -> Any:
@@ -141,6 +155,9 @@ def prepare(
         return out, {"precompute_outside": False, "gemm": not op}, how
     # The fused op named, not timed at start-up (ATTNQUANT_NVFP4_KERNEL=auto): every run of
     # this benchmark serves the same graph.
+    if variant.endswith("+head"):
+        path, overrides, how = prepare(variant.removesuffix("+head"), base_dir, work, shape)
+        return path, {**overrides, "quant_head": True}, how + "; head NVFP4 too"
     if variant == "nvfp4":
         overrides = {"quant": "nvfp4", "nvfp4_kernel": "fused"}
         return base_dir, overrides, "ATTNQUANT_QUANT=nvfp4, fused generated_linear_nvfp4"

@@ -27,6 +27,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert config.qkv_fuse is True
     assert config.fused_mlp is True
     assert config.quant is None
+    assert config.quant_head is False
     require_implemented(config)
 
 
@@ -65,6 +66,8 @@ def test_frozen() -> None:
         ("ATTNQUANT_NVFP4_KERNEL", "fused", "nvfp4_kernel", "fused"),
         ("ATTNQUANT_NVFP4_KERNEL", "Dequantize", "nvfp4_kernel", "dequantize"),
         ("ATTNQUANT_NVFP4_KERNEL", "", "nvfp4_kernel", "auto"),
+        ("ATTNQUANT_QUANT_HEAD", "1", "quant_head", True),
+        ("ATTNQUANT_QUANT_HEAD", "", "quant_head", False),
     ],
 )
 def test_each_variable_parses(variable: str, value: str, field: str, expected: object) -> None:
@@ -89,6 +92,7 @@ def test_each_variable_parses(variable: str, value: str, field: str, expected: o
         ("ATTNQUANT_FUSED_MLP", "enabled", "1/0"),
         ("ATTNQUANT_QUANT", "int4", "'nvfp4'"),
         ("ATTNQUANT_NVFP4_KERNEL", "mojo", "auto, fused, dequantize"),
+        ("ATTNQUANT_QUANT_HEAD", "nvfp4", "1/0"),
     ],
 )
 def test_bad_values_name_variable_value_and_what_is_allowed(

@@ -16,8 +16,9 @@ import pytest
 
 from attnquant_kernels.testing import nvfp4_dequantize, nvfp4_random
 from attnquant_max import dequantize_nvfp4, quantize_nvfp4
+from attnquant_max.testing import VOCAB
 
-from .conftest import LAYERS, PROJECTIONS
+from .conftest import HIDDEN, LAYERS, PROJECTIONS
 
 
 @pytest.mark.parametrize(("out_dim", "in_dim"), [(1, 16), (7, 48), (64, 256)])
@@ -49,7 +50,8 @@ def test_random_packed_weights_are_a_valid_nvfp4_tensor():
 def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``ATTNQUANT_QUANT=nvfp4`` with every projection a ``generated_linear_nvfp4`` dispatch.
+    """``ATTNQUANT_QUANT=nvfp4`` with every projection and the head
+    (``ATTNQUANT_QUANT_HEAD=1``) a ``generated_linear_nvfp4`` dispatch.
 
     The start-up measurement (:func:`attnquant_max._nvfp4_layers.nvfp4_fused`) picks the
     faster form, which on the tiny model's 128x64 projections can be either; here the fused
@@ -75,10 +77,14 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
 
     monkeypatch.setattr(_ingraph, "nvfp4_fused", measured)  # ATTNQUANT_NVFP4_KERNEL=fused: never
     monkeypatch.setattr(NVFP4Linear, "kernel_call", counted)
-    reference_dir = write_tiny_llama(tmp_path / "dequantized", _dequantized_tensors())
-    fused = replace(NVFP4, nvfp4_kernel="fused")
+    tensors = _dequantized_tensors()
+    tensors["lm_head.weight"] = dequantize_nvfp4(quantize_nvfp4(tensors["lm_head.weight"]))
+    reference_dir = write_tiny_llama(tmp_path / "dequantized", tensors)
+    fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True)
     with load_tiny(tiny_dense, fused) as model, load_tiny(reference_dir) as reference:
-        assert calls and len(calls) % (LAYERS * len(PROJECTIONS)) == 0  # every projection
+        per_forward = LAYERS * len(PROJECTIONS) + 1  # every projection and the head
+        assert calls and len(calls) % per_forward == 0
+        assert calls.count((VOCAB, HIDDEN)) == len(calls) // per_forward
         long = "The quick brown fox jumps over the lazy dog."
         assert 16 <= len(reference.encode(long)) <= 64 - 8  # the op's panel GEMM from 16 rows
         assert_serves_like(model, reference, [*PROMPTS, long])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,47 @@ def test_quantized_state_refuses_an_inner_size_not_a_multiple_of_16(tmp_path: Pa
     path = write_tiny_llama(tmp_path / "odd", tensors, intermediate_size=120)
     with pytest.raises(NVFP4Error, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*16"):
         dict(plan_serving(path, NVFP4).quantized_state())
+
+
+def test_quantized_state_quantizes_the_head_with_quant_head(tiny_dense: Path) -> None:
+    """``ATTNQUANT_QUANT_HEAD=1``: ``lm_head.weight`` is three NVFP4 tensors like a projection's
+    (the reference quantizer's bytes), the embedding and norms unchanged; the plan says so."""
+    plan = plan_serving(tiny_dense, replace(NVFP4, quant_head=True))
+    assert plan.head_nvfp4 and "ATTNQUANT_QUANT_HEAD=1" in plan.describe()
+    assert not plan_serving(tiny_dense, NVFP4).head_nvfp4
+    state = dict(plan.quantized_state())
+    dense = tiny_llama_tensors()
+    q = quantize_nvfp4(dense["lm_head.weight"], name="lm_head.weight")
+    np.testing.assert_array_equal(state["lm_head.weight"], q.weight)
+    np.testing.assert_array_equal(state["lm_head.weight_scale"], q.weight_scale.view(np.uint8))
+    np.testing.assert_array_equal(state["lm_head.weight_scale_2"], q.weight_scale_2.reshape(1))
+    np.testing.assert_array_equal(
+        state["model.embed_tokens.weight"], dense["model.embed_tokens.weight"]
+    )
+    np.testing.assert_array_equal(state["model.norm.weight"], dense["model.norm.weight"])
+
+
+def test_a_tied_head_is_quantized_from_the_embedding_table(tmp_path: Path) -> None:
+    tensors = tiny_llama_tensors()
+    del tensors["lm_head.weight"]
+    path = write_tiny_llama(tmp_path / "tied", tensors, tie_word_embeddings=True)
+    state = dict(plan_serving(path, replace(NVFP4, quant_head=True)).quantized_state())
+    table = tensors["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(state["model.embed_tokens.weight"], table)  # float, as stored
+    q = quantize_nvfp4(table, name="model.embed_tokens.weight")
+    np.testing.assert_array_equal(state["lm_head.weight"], q.weight)
+    np.testing.assert_array_equal(state["lm_head.weight_scale"], q.weight_scale.view(np.uint8))
+
+
+def test_quant_head_without_nvfp4_projections_is_refused(tiny_dense: Path) -> None:
+    for config in (
+        AttnquantConfig(quant_head=True),
+        AttnquantConfig(quant_head=True, precompute_outside=False),
+    ):
+        with pytest.raises(
+            NotImplementedError, match=r"ATTNQUANT_QUANT_HEAD=1.*ATTNQUANT_QUANT=nvfp4"
+        ):
+            plan_serving(tiny_dense, config)
 
 
 # The NVFP4 linears in a graph (a stacked pair and a lone one, against x @ dequantize(q).T) are

@@ -47,8 +47,9 @@ from attnquant_core.forms import FamilyTheta
 from attnquant_max import AttnquantConfig, LoadedModel, count_matmuls, decoder_graph
 from attnquant_max._layout import InGraphLayout
 from attnquant_max._weights import plan_serving
+from attnquant_max.testing import VOCAB
 
-from .conftest import LAYERS, PROJECTIONS, load_tiny
+from .conftest import HIDDEN, LAYERS, PROJECTIONS, load_tiny
 from .test_nvfp4_serving import assert_serves_like
 
 pytestmark = pytest.mark.xdist_group("nvfp4-theta")  # one worker: the graph, and its fixtures
@@ -369,6 +370,20 @@ def test_traced_decoders_hold_the_checkpoint_bytes(
     dense = dense_model.model.pipeline._pipeline_model.weight_bytes
     assert dense == stored_bytes(tiny_dense)
     print(f"tiny Llama, NVFP4 W0 + r={RANK} in the graph: {stored} B held, dense {dense} B")
+
+
+@pytest.mark.slow
+def test_traced_decoder_with_the_head_in_nvfp4(outside_v4: LoadedModel, tiny_v4: Path) -> None:
+    """``ATTNQUANT_QUANT_HEAD=1`` beside the stored NVFP4 ``W0``: the head is one more fused
+    dispatch (no matmul left in the graph), held in 4.5 bits per weight instead of float32."""
+    head = replace(FUSED, quant_head=True)
+    assert plan_serving(tiny_v4, head).head_nvfp4
+    text, nbytes = _text(outside_v4, head)
+    assert text.count('"generated_linear_nvfp4"') == len(PROJECTIONS) * LAYERS + 1
+    assert sum(count_matmuls(text).values()) == 0
+    weights = VOCAB * HIDDEN
+    nvfp4 = weights // 2 + weights // 16 + 4  # codes, E4M3 block scales, per-tensor scale
+    assert nbytes == stored_bytes(tiny_v4) - 4 * weights + nvfp4
 
 
 @pytest.mark.slow

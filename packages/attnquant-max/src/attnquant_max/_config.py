@@ -51,6 +51,7 @@ ENV_VARIABLES: dict[str, str] = {
     "ATTNQUANT_FUSED_MLP": "1",
     "ATTNQUANT_QUANT": "unset",
     "ATTNQUANT_NVFP4_KERNEL": "auto",
+    "ATTNQUANT_QUANT_HEAD": "0",
 }
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -170,6 +171,11 @@ class AttnquantConfig:
         ``generated_linear_nvfp4`` dispatch reading the packed bytes, ``dequantize`` the
         weight dequantized in the graph then a matmul, ``auto`` whichever is faster when
         timed once at start-up (logged).
+    quant_head : bool
+        ``ATTNQUANT_QUANT_HEAD``: the output head in NVFP4 too, beside NVFP4 projections
+        (``ATTNQUANT_QUANT=nvfp4``, or a checkpoint whose ``W0`` is NVFP4 served in the graph);
+        off by default, as in Model Optimizer's NVFP4 checkpoints, which keep ``lm_head`` in
+        full precision. A tied head is quantized from the embedding table, which stays float.
     """
 
     blocks: int | Passthrough | None = None
@@ -181,6 +187,7 @@ class AttnquantConfig:
     fused_mlp: bool = True
     quant: Quant | None = None
     nvfp4_kernel: NVFP4Kernel = "auto"
+    quant_head: bool = False
 
     def __post_init__(self) -> None:
         if self.blocks is not None and self.blocks != "layers":
@@ -218,6 +225,7 @@ class AttnquantConfig:
             fused_mlp=bool(_parse_bool(env, "ATTNQUANT_FUSED_MLP", True)),
             quant=_parse_quant(env),
             nvfp4_kernel=_parse_nvfp4_kernel(env),
+            quant_head=bool(_parse_bool(env, "ATTNQUANT_QUANT_HEAD", False)),
         )
 
     @property

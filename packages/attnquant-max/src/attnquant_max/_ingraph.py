@@ -98,7 +98,7 @@ class ThetaLlama3(Llama3):
     ``generated_linear_nvfp4`` or dequantized in the graph; ``auto`` timed once at start-up).
     """
 
-    def __init__(self, config: Llama3Config, layout: InGraphLayout) -> None:
+    def __init__(self, config: Llama3Config, layout: InGraphLayout, *, head: bool = False) -> None:
         _refuse_unsupported(
             config,
             "the in-graph theta Llama (serve this model on the precompute-outside path: "
@@ -130,6 +130,10 @@ class ThetaLlama3(Llama3):
             block.replace_module("mlp", builder.mlp(i))
         self.attnquant_blocks = builder.bank
         self.layout = layout
+        if head:
+            if not layout.nvfp4:
+                raise ValueError("an NVFP4 head is served beside NVFP4 W0 families only")
+            _nvfp4_head(self, config, fused=fused)
 
 
 class NVFP4Llama3(Llama3):
@@ -142,7 +146,7 @@ class NVFP4Llama3(Llama3):
     (:mod:`attnquant_max._nvfp4_layers`).
     """
 
-    def __init__(self, config: Llama3Config) -> None:
+    def __init__(self, config: Llama3Config, *, head: bool = False) -> None:
         _refuse_unsupported(config, "NVFP4 serving (ATTNQUANT_QUANT=nvfp4)")
         super().__init__(config)
         shapes = _shapes(config)
@@ -162,6 +166,24 @@ class NVFP4Llama3(Llama3):
                 [linear("mlp.gate_proj"), linear("mlp.up_proj")], ["gate_proj", "up_proj"]
             )
             block.replace_module("mlp", ThetaMLP(gate_up, linear("mlp.down_proj")))  # type: ignore[arg-type]
+        if head:
+            _nvfp4_head(self, config, fused=fused)
+
+
+def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool) -> None:
+    """Swap the stock head for an NVFP4 one (``ATTNQUANT_QUANT_HEAD=1``): weights
+    ``lm_head.weight``, ``weight_scale``, ``weight_scale_2``, run as the projections run. A tied
+    head stops sharing the embedding's weight: the embedding keeps its float table."""
+    model.replace_module(
+        "lm_head",
+        NVFP4Linear(
+            config.hidden_size,
+            config.vocab_size,
+            dtype=config.dtype,
+            device=config.devices[0],
+            fused=fused,
+        ),
+    )
 
 
 def _nvfp4_kernel_fused(device: Any, shapes: Mapping[str, tuple[int, int]]) -> bool:
@@ -174,8 +196,13 @@ def _nvfp4_kernel_fused(device: Any, shapes: Mapping[str, tuple[int, int]]) -> b
     return kernel == "fused"
 
 
+#: The per-tensor scale of an NVFP4 head (``ATTNQUANT_QUANT_HEAD=1``), in MAX names.
+HEAD_SCALE_2 = "lm_head.weight_scale_2"
+
+
 def _is_nvfp4_state(state_dict: Mapping[str, Any]) -> bool:
-    return any(key.endswith(".weight_scale_2") for key in state_dict)
+    """Whether the projections are NVFP4 (``ATTNQUANT_QUANT=nvfp4``); the head is not asked."""
+    return any(key.endswith(".weight_scale_2") and key != HEAD_SCALE_2 for key in state_dict)
 
 
 def _layout_of(state_dict: Mapping[str, Any]) -> InGraphLayout | None:
@@ -209,12 +236,16 @@ class ThetaLlama3Model(Llama3Model):
     weight_bytes: int = 0
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
+        head = HEAD_SCALE_2 in self.state_dict  # ATTNQUANT_QUANT_HEAD=1
         if _is_nvfp4_state(self.state_dict):
             self._single_device(
                 "NVFP4 serving (ATTNQUANT_QUANT=nvfp4) runs on one device", model_config
             )
-            specs = {GraphRole.DECODER: self._spec(model_config, NVFP4Llama3(model_config))}
+            model = NVFP4Llama3(model_config, head=head)
+            specs = {GraphRole.DECODER: self._spec(model_config, model)}
         elif (layout := _layout_of(self.state_dict)) is None:
+            if head:
+                raise ValueError("an NVFP4 head is served beside NVFP4 projections only")
             specs = dict(super().graph_specs(model_config))
         else:
             self._single_device(
@@ -223,7 +254,8 @@ class ThetaLlama3Model(Llama3Model):
                 + (" and ATTNQUANT_QUANT unset" if layout.nvfp4 else ""),
                 model_config,
             )
-            specs = {GraphRole.DECODER: self._spec(model_config, ThetaLlama3(model_config, layout))}
+            model = ThetaLlama3(model_config, layout, head=head)
+            specs = {GraphRole.DECODER: self._spec(model_config, model)}
         self.weight_bytes = _nbytes(specs[GraphRole.DECODER].weights_registry())
         return specs
 

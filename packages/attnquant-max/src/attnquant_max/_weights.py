@@ -59,6 +59,7 @@ from ._layout import InGraphLayout, ingraph_tensors
 from ._tensors import nvfp4_tensors
 
 __all__ = [
+    "HEAD_KEY",
     "ServingPlan",
     "ThetaWeightAdapter",
     "WeightKeyError",
@@ -70,6 +71,7 @@ __all__ = [
     "log_serving_path",
     "model_directory",
     "plan_serving",
+    "with_nvfp4_head",
     "wrap_weight_adapter",
 ]
 
@@ -97,6 +99,62 @@ _NVFP4_THETA_KERNEL = {
 
 #: How many offending keys an error message lists before it says "and N more".
 _MAX_LISTED = 24
+
+#: The output head of a Hugging Face Llama checkpoint (``ATTNQUANT_QUANT_HEAD`` quantizes it).
+HEAD_KEY = "lm_head.weight"
+_EMBEDDING_KEY = "embed_tokens.weight"
+
+#: What ``ATTNQUANT_QUANT_HEAD=1`` adds to the start-up line.
+NVFP4_HEAD = (
+    "the output head in NVFP4 too (ATTNQUANT_QUANT_HEAD=1; a tied head quantized from the "
+    "embedding table, which stays float)"
+)
+
+
+def _nvfp4_parts(key: str, q: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """The three tensors of an NVFP4 ``<prefix>.weight``, as :mod:`._nvfp4_layers` reads them."""
+    prefix = key[: -len(".weight")]
+    yield key, q.weight
+    yield f"{prefix}.weight_scale", q.weight_scale.view(np.uint8)
+    yield f"{prefix}.weight_scale_2", np.asarray(q.weight_scale_2, np.float32).reshape(1)
+
+
+def with_nvfp4_head(
+    items: Iterable[tuple[str, np.ndarray]], *, model_path: str | Path = ""
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``items`` with the output head ``lm_head.weight`` quantized to NVFP4 (three tensors).
+
+    A tied model has no ``lm_head.weight``: its head is quantized from the embedding table,
+    which is passed on unchanged (the embedding gathers float rows; the head reads 4.5 bits per
+    weight). Everything else passes unchanged.
+
+    Raises
+    ------
+    CheckpointError
+        Neither a head nor an embedding table to quantize it from.
+    NVFP4Error
+        The head holds NaN/Inf, or its input size is not a multiple of 16.
+    """
+    from ._nvfp4 import quantize_nvfp4
+
+    embedding: tuple[str, np.ndarray] | None = None
+    head = False
+    for key, array in items:
+        if key == HEAD_KEY:
+            head = True
+            yield from _nvfp4_parts(key, quantize_nvfp4(array, name=key))
+            continue
+        if key.endswith(_EMBEDDING_KEY) and embedding is None:
+            embedding = (key, array)
+        yield key, array
+    if head:
+        return
+    if embedding is None:
+        raise CheckpointError(
+            f"{model_path}: ATTNQUANT_QUANT_HEAD=1 found neither {HEAD_KEY} nor an "
+            f"{_EMBEDDING_KEY} (a tied head) to quantize"
+        )
+    yield from _nvfp4_parts(HEAD_KEY, quantize_nvfp4(embedding[1], name=embedding[0]))
 
 
 class WeightKeyError(CheckpointError):
@@ -187,6 +245,12 @@ class ServingPlan:
         return self.config.quant is not None and not self.nvfp4_w0
 
     @property
+    def head_nvfp4(self) -> bool:
+        """Whether the output head is quantized to NVFP4 at load (``ATTNQUANT_QUANT_HEAD=1``
+        beside NVFP4 projections: :attr:`quantized` or :attr:`nvfp4_w0`)."""
+        return self.config.quant_head and (self.quantized or self.nvfp4_w0)
+
+    @property
     def in_graph(self) -> bool:
         """Whether the graph holds the theta tensors (GEMM, in-graph precompute, custom op)."""
         return self.path in ("gemm", "precompute", "custom-op")
@@ -254,7 +318,7 @@ class ServingPlan:
         )
         if self.quantized:
             line += "; " + NVFP4_EMULATED
-        return line
+        return line + (f"; {NVFP4_HEAD}" if self.head_nvfp4 else "")
 
     def _describe_nvfp4(self, where: str, g: str) -> str:
         """:meth:`describe` of a checkpoint with NVFP4-``W0`` families: what each form runs as."""
@@ -280,10 +344,12 @@ class ServingPlan:
                 + ", ".join(f"{n} {f}" for f, n in counts.items())
                 + f" on the GEMM path as stored ({fuse})"
             )
-        return f"{line}; G={g}, r={self.rank}, L={self.num_layers}; chosen by {self._why()}"
+        line += f"; G={g}, r={self.rank}, L={self.num_layers}; chosen by {self._why()}"
+        return line + (f"; {NVFP4_HEAD}" if self.head_nvfp4 else "")
 
     def theta_state(self) -> Iterator[tuple[str, np.ndarray]]:
-        """In-graph paths: every tensor the theta model reads (original names, source dtype).
+        """In-graph paths: every tensor the theta model reads (original names, source dtype);
+        with :attr:`head_nvfp4`, the output head quantized (:func:`with_nvfp4_head`).
 
         The checkpoint's other tensors (embeddings, norms, head), then the
         theta tensors of :func:`attnquant_max._layout.ingraph_tensors`: ``W0V``
@@ -301,6 +367,10 @@ class ServingPlan:
             An NVFP4 block scale byte is NaN (0x7F/0xFF) or a per-tensor scale is not finite
             and positive; the message names the key.
         """
+        return self._with_head(self._theta_tensors())
+
+    def _theta_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """:meth:`theta_state` before the head is quantized."""
         families: dict[str, Any] = {}
         dtypes: dict[str, np.dtype] = {}
         if self.source == "theta":
@@ -377,7 +447,8 @@ class ServingPlan:
         E2M1 codes ``[out, in/2]``), ``<prefix>.weight_scale`` (the float8_e4m3fn
         block scales as uint8 bytes ``[out, in/16]``) and ``<prefix>.weight_scale_2``
         (float32 ``[1]``), the layout :mod:`attnquant_max._nvfp4_layers` reads.
-        Every other tensor is unchanged. One projection is quantized at a time.
+        Every other tensor is unchanged, but the output head with ``ATTNQUANT_QUANT_HEAD=1``
+        (:func:`with_nvfp4_head`). One projection is quantized at a time.
 
         Raises
         ------
@@ -387,16 +458,18 @@ class ServingPlan:
         """
         from ._nvfp4 import quantize_nvfp4
 
-        for key, array in self.state():
+        for key, array in self._with_head(self.state()):
             parsed = parse_projection_key(key)
             if parsed is None or not key.endswith(".weight"):
                 yield key, array
                 continue
-            q = quantize_nvfp4(array, name=key)
-            prefix = key[: -len(".weight")]
-            yield key, q.weight
-            yield f"{prefix}.weight_scale", q.weight_scale.view(np.uint8)
-            yield f"{prefix}.weight_scale_2", q.weight_scale_2.reshape(1)
+            yield from _nvfp4_parts(key, quantize_nvfp4(array, name=key))
+
+    def _with_head(
+        self, items: Iterator[tuple[str, np.ndarray]]
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """``items``, the head quantized too where :attr:`head_nvfp4` (:func:`with_nvfp4_head`)."""
+        return with_nvfp4_head(items, model_path=self.model_path) if self.head_nvfp4 else items
 
     def state(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every dense key of the model with its array (original names, source dtype)."""
@@ -452,6 +525,12 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
     config = current_config() if config is None else config
     path = Path(model_path)
     nvfp4 = _nvfp4_families(path)
+    if config.quant_head and config.quant is None and not (nvfp4 and not config.precompute_outside):
+        raise NotImplementedError(
+            f"{path}: ATTNQUANT_QUANT_HEAD=1 puts the output head in NVFP4 beside NVFP4 "
+            "projections: set ATTNQUANT_QUANT=nvfp4, or serve a checkpoint whose W0 is NVFP4 "
+            "in the graph (ATTNQUANT_PRECOMPUTE_OUTSIDE=0); or unset ATTNQUANT_QUANT_HEAD"
+        )
     if nvfp4 and (config.quant is not None or config.precompute or not config.precompute_outside):
         return _plan_nvfp4_w0(path, config, nvfp4)
     api = None
