@@ -20,6 +20,9 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 * ``nvfp4+head`` / ``nvfp4+r16+head``: the same with the output head in NVFP4 too
   (``ATTNQUANT_QUANT_HEAD=1``: one more fused dispatch a step, reading 4.5 bits a weight where
   the float32 head reads 32), as the GGUF rows hold theirs in 4 bits;
+* ``nvfp4 row-major`` / ``nvfp4+r16 row-major``: the same weights held in Model Optimizer's
+  row-major layout, where the rows above are held in the tiled layout on an AVX-512 CPU
+  (``generated_linear_nvfp4_tiled``): what the tiled layout buys, side by side;
 * ``gguf q4_0`` / ``gguf q4_k``: what a CPU user picks instead for 4-bit: the same weights
   written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
   (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served
@@ -60,6 +63,8 @@ VARIANTS = (
     "nvfp4+r16",
     "nvfp4+head",
     "nvfp4+r16+head",
+    "nvfp4 row-major",
+    "nvfp4+r16 row-major",
     "gguf q4_0",
     "gguf q4_k",
 )
@@ -155,6 +160,9 @@ def prepare(
         return out, {"precompute_outside": False, "gemm": not op}, how
     # The fused op named, not timed at start-up (ATTNQUANT_NVFP4_KERNEL=auto): every run of
     # this benchmark serves the same graph.
+    if variant.endswith(" row-major"):
+        path, overrides, how = prepare(variant.removesuffix(" row-major"), base_dir, work, shape)
+        return path, overrides, how + " (row-major layout)"
     if variant.endswith("+head"):
         path, overrides, how = prepare(variant.removesuffix("+head"), base_dir, work, shape)
         return path, {**overrides, "quant_head": True}, how + "; head NVFP4 too"
@@ -189,6 +197,11 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
         quant = variant.split()[1]
         gguf = path / f"model-{quant}.gguf"
         return _stock_loaded(path, gguf, max_length=common["max_length"], encoding=quant), how
+    import attnquant_max._ingraph as ingraph
+
+    tiled = ingraph.nvfp4_tiled
+    if variant.endswith(" row-major"):  # the graph is built during the load
+        ingraph.nvfp4_tiled = lambda device: False  # type: ignore[assignment]
     try:
         return load_pipeline(path, config=replace(AttnquantConfig(), **overrides), **common), how
     except NotImplementedError as exc:
@@ -197,6 +210,8 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
         reason = str(exc).split(". ")[0]
         loaded = load_pipeline(path, config=AttnquantConfig(), **common)
         return loaded, f"precompute-outside (in-graph refused: {reason})"
+    finally:
+        ingraph.nvfp4_tiled = tiled  # type: ignore[assignment]
 
 
 def main() -> None:

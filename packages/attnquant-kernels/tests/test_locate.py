@@ -26,6 +26,7 @@ def test_every_op_has_its_source_and_registration():
         "generated_linear_nvfp4",
         "nvfp4_dequantize",
         "generated_lowrank",
+        "generated_linear_nvfp4_tiled",
     )
     for op in ak.KERNEL_OPS:
         assert f"{op}.mojo" in names

@@ -18,10 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnquant_kernels import MAX_RANK
+from attnquant_kernels.layout import tile_nvfp4
 from attnquant_kernels.testing import (
     OpModel,
     build_linear_nvfp4,
+    build_linear_nvfp4_tiled,
     check_linear_nvfp4,
+    check_linear_nvfp4_tiled,
     nvfp4_dequantize,
     nvfp4_random,
     theta,
@@ -37,37 +40,38 @@ def linear_nvfp4() -> OpModel:
     return build_linear_nvfp4("cpu")
 
 
-@pytest.mark.parametrize(
-    ("M", "K", "N", "R"),
-    [
-        (1, 16, 1, 0),  # smallest: one block, one output
-        (1, 16, 7, 16),  # in=16, odd out, decode
-        (16, 16, 33, 0),  # in=16, M=16 (register tiles of 4 rows), odd out
-        (16, 48, 5, 16),
-        (3, 96, 9, 64),  # fewer rows than a tile, largest rank
-        (5, 160, 130, 7),  # a tile plus a decode row, several parallel blocks
-        (1, 2048, 67, 16),  # decode at a real width
-        (16, 1024, 256, 16),
-        # Below 8 rows on AVX-512: 16 weight rows in the lanes, 128 inputs a chunk, tiles of
-        # 4, 2 and 1 input rows; a last part of the inputs padded; rows past the last 16 as above.
-        (2, 128, 16, 0),  # one chunk, one tile
-        (4, 256, 48, 3),  # two chunks, three tiles of 16 rows
-        (7, 272, 80, 16),  # input tiles of 4, 2 and 1; two chunks and 16 inputs padded
-        (6, 1024, 1040, 64),  # largest rank, several work items
-        (1, 4096, 1030, 16),  # the decode of a down projection, a 6-row tail
-        (64, 256, 40, 0),  # a whole batch block
-        (70, 32, 18, 3),  # two batch blocks
-        # From 16 rows on: panels of 64 (AVX-512) or 16 output columns decoded once, then
-        # register tiles of 6 rows; the columns past the last whole panel as above.
-        (16, 48, 64, 0),  # one whole panel, two tiles of 6 and one of 4
-        (23, 64, 130, 5),  # two panels and a 2-column tail, a tile of 5 rows left
-        (41, 32, 200, 64),  # largest rank: 64 more steps of every tile
-        (512, 512, 192, 16),  # a prefill
-        # Past 2048 inputs a panel takes them 2048 at a time, the sums in float32 scratch.
-        (16, 4096, 64, 0),  # two whole blocks of inputs
-        (20, 4112, 70, 16),  # a third block of 16, the correction with it, a 6-column tail
-    ],
-)
+#: (M, K, N, R): the shapes each layout is checked at.
+CASES = [
+    (1, 16, 1, 0),  # smallest: one block, one output
+    (1, 16, 7, 16),  # in=16, odd out, decode
+    (16, 16, 33, 0),  # in=16, M=16 (register tiles of 4 rows), odd out
+    (16, 48, 5, 16),
+    (3, 96, 9, 64),  # fewer rows than a tile, largest rank
+    (5, 160, 130, 7),  # a tile plus a decode row, several parallel blocks
+    (1, 2048, 67, 16),  # decode at a real width
+    (16, 1024, 256, 16),
+    # Below 8 rows on AVX-512: 16 weight rows in the lanes, 128 inputs a chunk, tiles of
+    # 4, 2 and 1 input rows; a last part of the inputs padded; rows past the last 16 as above.
+    (2, 128, 16, 0),  # one chunk, one tile
+    (4, 256, 48, 3),  # two chunks, three tiles of 16 rows
+    (7, 272, 80, 16),  # input tiles of 4, 2 and 1; two chunks and 16 inputs padded
+    (6, 1024, 1040, 64),  # largest rank, several work items
+    (1, 4096, 1030, 16),  # the decode of a down projection, a 6-row tail
+    (64, 256, 40, 0),  # a whole batch block
+    (70, 32, 18, 3),  # two batch blocks
+    # From 16 rows on: panels of 64 (AVX-512) or 16 output columns decoded once, then
+    # register tiles of 6 rows; the columns past the last whole panel as above.
+    (16, 48, 64, 0),  # one whole panel, two tiles of 6 and one of 4
+    (23, 64, 130, 5),  # two panels and a 2-column tail, a tile of 5 rows left
+    (41, 32, 200, 64),  # largest rank: 64 more steps of every tile
+    (512, 512, 192, 16),  # a prefill
+    # Past 2048 inputs a panel takes them 2048 at a time, the sums in float32 scratch.
+    (16, 4096, 64, 0),  # two whole blocks of inputs
+    (20, 4112, 70, 16),  # a third block of 16, the correction with it, a 6-column tail
+]
+
+
+@pytest.mark.parametrize(("M", "K", "N", "R"), CASES)
 @pytest.mark.xdist_group("linear_nvfp4")
 def test_linear_nvfp4_matches_dequantize_then_identity(
     linear_nvfp4: OpModel, M: int, K: int, N: int, R: int
@@ -225,3 +229,56 @@ def test_dequantize_wrapper_refuses_bad_static_shapes_and_dtypes(
         Graph("aq_nvfp4_dequantize_static", input_types=_types(shapes)) as g,
     ):
         g.output(nvfp4_dequantize(*(v.tensor for v in g.inputs), getattr(DType, dtype)))
+
+
+# -- the tiled layout (generated_linear_nvfp4_tiled, CPU) ------------------------------------
+
+
+@pytest.fixture(scope="session")
+def linear_nvfp4_tiled() -> OpModel:
+    """Outputs: the tiled op (float32), the plain tiled projection, the op on bfloat16."""
+    return build_linear_nvfp4_tiled()
+
+
+@pytest.mark.parametrize(("M", "K", "N", "R"), CASES)
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_tiled_matches_dequantize_then_identity(
+    linear_nvfp4_tiled: OpModel, M: int, K: int, N: int, R: int
+):
+    """Every shape of the row-major op, on the tiled layout: lane tiles below 16 rows and past
+    the last whole panel, panels from 16 rows, the rows past the last tile row-major."""
+    check_linear_nvfp4_tiled(linear_nvfp4_tiled, M, K, N, R, seed=M * 1000 + R)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.integers(1, 80),
+    blocks=st.integers(1, 20),
+    N=st.integers(1, 140),
+    R=st.integers(0, MAX_RANK),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_tiled_random_shapes(
+    linear_nvfp4_tiled: OpModel, M: int, blocks: int, N: int, R: int, seed: int
+):
+    check_linear_nvfp4_tiled(linear_nvfp4_tiled, M, 16 * blocks, N, R, seed)
+
+
+@pytest.mark.parametrize("M", [16, 5, 1])
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_tiled_decodes_every_code_and_scale_byte_exactly(
+    linear_nvfp4_tiled: OpModel, M: int
+):
+    """As the row-major case: x = rows of the identity, the plain output is W^T bit for bit,
+    all 256 scale bytes (NaN rows NaN), 16 tiles of one partial chunk each."""
+    rng = np.random.default_rng(7)
+    weight = rng.integers(0, 256, (256, 8), dtype=np.uint8)
+    weight_scale = np.arange(256, dtype=np.uint8).reshape(256, 1)
+    weight_scale_2 = np.ones(1, np.float32)
+    _, s, U, V = theta(rng, 256, 16, 0)
+    x = np.eye(16, dtype=np.float32)[:M]
+    tiled = tile_nvfp4(weight, weight_scale)
+    _, plain, _ = linear_nvfp4_tiled(x, *tiled, weight_scale_2, s, U, V)
+    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
+    np.testing.assert_array_equal(plain, W.T[:M])

@@ -143,6 +143,39 @@ def test_quant_head_without_nvfp4_projections_is_refused(tiny_dense: Path) -> No
             plan_serving(tiny_dense, config)
 
 
+def test_tile_state_rewrites_every_nvfp4_weight_once_in_the_tiled_layout() -> None:
+    """The state a fused CPU model loads on AVX-512: packed codes and scales of projections
+    (``.weight``/``.weight_scale``) and of bands (``W0_packed``/``W0_scale``) tiled, the
+    per-tensor scales and every other tensor untouched."""
+    from max.graph.weights import WeightData
+
+    from attnquant_kernels.layout import tile_nvfp4
+    from attnquant_max._ingraph import _tile_state
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "layers.0.mlp.down_proj.weight": rng.integers(0, 256, (40, 32), dtype=np.uint8),
+        "layers.0.mlp.down_proj.weight_scale": rng.integers(0, 256, (40, 4), dtype=np.uint8),
+        "layers.0.mlp.down_proj.weight_scale_2": np.ones(1, np.float32),
+        "attnquant.shared.mlp.up_proj.0.W0_packed": rng.integers(0, 256, (32, 8), dtype=np.uint8),
+        "attnquant.shared.mlp.up_proj.0.W0_scale": rng.integers(0, 256, (32, 1), dtype=np.uint8),
+        "norm.weight": rng.standard_normal(16).astype(np.float32),
+    }
+    state = {k: WeightData.from_numpy(a, k) for k, a in arrays.items()}
+    assert _tile_state(state) == 2
+    got = {k: np.from_dlpack(v) for k, v in state.items()}
+    for packed, scale in (
+        ("layers.0.mlp.down_proj.weight", "layers.0.mlp.down_proj.weight_scale"),
+        ("attnquant.shared.mlp.up_proj.0.W0_packed", "attnquant.shared.mlp.up_proj.0.W0_scale"),
+    ):
+        want_w, want_s = tile_nvfp4(arrays[packed], arrays[scale])
+        np.testing.assert_array_equal(got[packed], want_w)
+        np.testing.assert_array_equal(got[scale], want_s)
+        assert state[packed].name == packed
+    for key in ("layers.0.mlp.down_proj.weight_scale_2", "norm.weight"):
+        np.testing.assert_array_equal(got[key], arrays[key])
+
+
 # The NVFP4 linears in a graph (a stacked pair and a lone one, against x @ dequantize(q).T) are
 # checked in test_layers.py, as one more branch of the layer graph: one compile instead of two.
 

@@ -44,6 +44,7 @@ from attnquant_core import (
     save_theta,
 )
 from attnquant_core.forms import FamilyTheta
+from attnquant_kernels.layout import cpu_prefers_tiled
 from attnquant_max import AttnquantConfig, LoadedModel, count_matmuls, decoder_graph
 from attnquant_max._layout import InGraphLayout
 from attnquant_max._weights import plan_serving
@@ -58,6 +59,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # The kernel named explicitly, so that CI compiles one known graph (auto times both forms).
 FUSED = AttnquantConfig(precompute_outside=False, nvfp4_kernel="fused")
+#: The op a fused CPU graph names: on AVX-512 the tiled layout's (``nvfp4_tiled``).
+FUSED_OP = f'"generated_linear_nvfp4{"_tiled" if cpu_prefers_tiled() else ""}"'
 DEQUANTIZE = replace(FUSED, nvfp4_kernel="dequantize")
 RANK = 16  # the tiny k/v projections [32, 64] allow up to 32
 #: The mixed checkpoint's families banded with an NVFP4 W0 (passthrough, rank RANK); the others
@@ -356,10 +359,10 @@ def test_traced_decoders_hold_the_checkpoint_bytes(
     both hold the checkpoint's bytes, and ``ATTNQUANT_QUANT=nvfp4`` builds the very graph of
     the in-graph path."""
     fused, fused_bytes = _text(outside_v4, FUSED)
-    assert fused.count('"generated_linear_nvfp4"') == len(PROJECTIONS) * LAYERS
+    assert fused.count(FUSED_OP) == len(PROJECTIONS) * LAYERS
     assert '"nvfp4_dequantize"' not in fused and "mo.if" not in fused
     deq, deq_bytes = _text(outside_v4, DEQUANTIZE)
-    assert '"generated_linear_nvfp4"' not in deq and '"nvfp4_dequantize"' not in deq
+    assert '"generated_linear_nvfp4' not in deq and '"nvfp4_dequantize"' not in deq
     per_layer = 4 + 2 * len(PROJECTIONS)  # qkv, o, gate_up, down + (x V) U^T each
     assert sum(count_matmuls(deq).values()) == 1 + per_layer * LAYERS
     assert sum(count_matmuls(fused).values()) == 1
@@ -379,7 +382,7 @@ def test_traced_decoder_with_the_head_in_nvfp4(outside_v4: LoadedModel, tiny_v4:
     head = replace(FUSED, quant_head=True)
     assert plan_serving(tiny_v4, head).head_nvfp4
     text, nbytes = _text(outside_v4, head)
-    assert text.count('"generated_linear_nvfp4"') == len(PROJECTIONS) * LAYERS + 1
+    assert text.count(FUSED_OP) == len(PROJECTIONS) * LAYERS + 1
     assert sum(count_matmuls(text).values()) == 0
     weights = VOCAB * HIDDEN
     nvfp4 = weights // 2 + weights // 16 + 4  # codes, E4M3 block scales, per-tensor scale
@@ -394,7 +397,7 @@ def test_traced_decoder_holds_each_band_once(tiny_v4_g1: Path) -> None:
     for family in FAMILIES:
         for part in ("packed", "scale", "scale_2"):
             assert text.count(f'"attnquant.shared.{family}.0.W0_{part}"') == 1, (family, part)
-    assert text.count('"generated_linear_nvfp4"') == len(PROJECTIONS) * LAYERS
+    assert text.count(FUSED_OP) == len(PROJECTIONS) * LAYERS
 
 
 @pytest.fixture(scope="module")
@@ -414,13 +417,13 @@ def test_traced_mixed_decoders_run_each_form_as_stored(
     projection one matmul plus two for its correction, q and k each alone (their group mixes
     NVFP4 and float members). Both hold the checkpoint's stored bytes."""
     fused, fused_bytes = _text(outside_mixed, FUSED)
-    assert fused.count('"generated_linear_nvfp4"') == len(MIXED_NVFP4) * LAYERS
+    assert fused.count(FUSED_OP) == len(MIXED_NVFP4) * LAYERS
     assert '"nvfp4_dequantize"' not in fused and "mo.if" not in fused
     float_matmuls = 2 + 3 + 2  # v; gate/up; down
     assert sum(count_matmuls(fused).values()) == 1 + float_matmuls * LAYERS
     per_layer = float_matmuls + 3 * len(MIXED_NVFP4)
     deq, deq_bytes = _text(outside_mixed, DEQUANTIZE)
-    assert '"generated_linear_nvfp4"' not in deq and '"nvfp4_dequantize"' not in deq
+    assert '"generated_linear_nvfp4' not in deq and '"nvfp4_dequantize"' not in deq
     assert sum(count_matmuls(deq).values()) == 1 + per_layer * LAYERS
     assert fused_bytes == deq_bytes == stored_bytes(tiny_mixed)
 

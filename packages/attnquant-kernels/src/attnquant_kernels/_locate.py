@@ -20,6 +20,7 @@ KERNEL_OPS: tuple[str, ...] = (
     "generated_linear_nvfp4",
     "nvfp4_dequantize",
     "generated_lowrank",
+    "generated_linear_nvfp4_tiled",
 )
 
 #: Largest correction rank ``r`` the custom ops accept (the Mojo side refuses above it too).

@@ -38,10 +38,12 @@ __all__ = [
     "apply",
     "build_linear",
     "build_linear_nvfp4",
+    "build_linear_nvfp4_tiled",
     "build_lowrank",
     "build_mlp",
     "check_linear",
     "check_linear_nvfp4",
+    "check_linear_nvfp4_tiled",
     "check_lowrank",
     "check_mlp",
     "close",
@@ -489,3 +491,62 @@ def check_linear_nvfp4(
     close(y0, plain, F32_RTOL, f"{what} plain (s=U=V=None)", report=report)
     xb, sb, Ub, Vb = round_bf16([x, s, U, V])
     close(yb, apply(xb, W, sb, Ub, Vb), BF16_RTOL, f"{what} r={r} bf16", report=report)
+
+
+def build_linear_nvfp4_tiled() -> OpModel:
+    """``generated_linear_nvfp4_tiled`` on the CPU, every dimension symbolic: inputs as
+    :func:`build_linear_nvfp4`'s (``weight`` and ``weight_scale`` in the tiled layout of
+    :func:`attnquant_kernels.layout.tile_nvfp4`); outputs the op (float32), the plain NVFP4
+    projection, and the op on bfloat16 ``x``, ``s``, ``U``, ``V`` (cast back to float32)."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from . import kernels_path
+    from .graph import generated_linear_nvfp4
+
+    dev = DeviceRef.CPU()
+    f32, u8 = DType.float32, DType.uint8
+    types = [
+        TensorType(dtype, shape, device=dev)
+        for dtype, shape in (
+            (f32, ["M", "K"]),
+            (u8, ["N", "KH"]),
+            (u8, ["N", "KB"]),
+            (f32, [1]),
+            (f32, ["N"]),
+            (f32, ["N", "R"]),
+            (f32, ["K", "R"]),
+        )
+    ]
+    with Graph(
+        _graph_name("linear_nvfp4_tiled", "cpu"),
+        input_types=types,
+        custom_extensions=[kernels_path()],
+    ) as g:
+        x, w, ws, ws2, s, U, V = (v.tensor for v in g.inputs)
+        xb, sb, Ub, Vb = _bf16([x, s, U, V])
+        g.output(
+            generated_linear_nvfp4(x, w, ws, ws2, s, U, V, tiled=True),
+            generated_linear_nvfp4(x, w, ws, ws2, tiled=True),
+            _f32(generated_linear_nvfp4(xb, w, ws, ws2, sb, Ub, Vb, tiled=True)),
+        )
+    return session_model(g, "cpu")
+
+
+def check_linear_nvfp4_tiled(model: OpModel, M: int, K: int, N: int, R: int, seed: int = 0) -> None:
+    """One random case of :func:`build_linear_nvfp4_tiled`'s model: the weight tiled in numpy,
+    the outputs against the float64 identity over the row-major weight dequantized in numpy."""
+    from .layout import tile_nvfp4
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    weight, weight_scale, weight_scale_2 = nvfp4_random(rng, N, K)
+    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
+    _, s, U, V = theta(rng, N, K, R)
+    y, y0, yb = model(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
+    what = f"cpu linear_nvfp4_tiled M={M} K={K} N={N}"
+    close(y, apply(x, W, s, U, V), F32_RTOL, f"{what} r={R}")
+    plain = apply(x, W, np.ones(N, np.float32), U[:, :0], V[:, :0])
+    close(y0, plain, F32_RTOL, f"{what} plain (s=U=V=None)")
+    xb, sb, Ub, Vb = round_bf16([x, s, U, V])
+    close(yb, apply(xb, W, sb, Ub, Vb), BF16_RTOL, f"{what} r={R} bf16")

@@ -36,11 +36,12 @@ from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 
 from attnquant_core import FAMILIES
 from attnquant_kernels import kernels_path
+from attnquant_kernels.layout import tile_nvfp4
 
 from ._config import serving_path
 from ._layers import ThetaBuilder, ThetaMLP
 from ._layout import InGraphLayout
-from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, nvfp4_fused
+from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, nvfp4_fused, nvfp4_tiled
 from ._weights import config_override, current_config
 
 __all__ = [
@@ -116,6 +117,7 @@ class ThetaLlama3(Llama3):
                 )
             fused = _nvfp4_kernel_fused(config.devices[0], shapes)
             self.needs_kernels = fused
+        self.nvfp4_tiled = fused and nvfp4_tiled(config.devices[0])
         builder = ThetaBuilder(
             layout,
             num_layers=config.num_hidden_layers,
@@ -123,6 +125,7 @@ class ThetaLlama3(Llama3):
             dtype=config.dtype,
             device=config.devices[0],
             nvfp4_fused=fused,
+            nvfp4_tiled=self.nvfp4_tiled,
         )
         for i, block in enumerate(self.layers):
             block.self_attn.replace_module("qkv_proj", builder.stacked(QKV, i))
@@ -133,7 +136,7 @@ class ThetaLlama3(Llama3):
         if head:
             if not layout.nvfp4:
                 raise ValueError("an NVFP4 head is served beside NVFP4 W0 families only")
-            _nvfp4_head(self, config, fused=fused)
+            _nvfp4_head(self, config, fused=fused, tiled=self.nvfp4_tiled)
 
 
 class NVFP4Llama3(Llama3):
@@ -153,10 +156,13 @@ class NVFP4Llama3(Llama3):
         dtype, device = config.dtype, config.devices[0]
         fused = _nvfp4_kernel_fused(device, shapes)
         self.needs_kernels = fused
+        self.nvfp4_tiled = tiled = fused and nvfp4_tiled(device)
 
         def linear(family: str) -> NVFP4Linear:
             out_dim, in_dim = shapes[family]
-            return NVFP4Linear(in_dim, out_dim, dtype=dtype, device=device, fused=fused)
+            return NVFP4Linear(
+                in_dim, out_dim, dtype=dtype, device=device, fused=fused, tiled=tiled
+            )
 
         for block in self.layers:
             qkv = NVFP4StackedLinear([linear(f) for f in QKV], ["q_proj", "k_proj", "v_proj"])
@@ -167,10 +173,10 @@ class NVFP4Llama3(Llama3):
             )
             block.replace_module("mlp", ThetaMLP(gate_up, linear("mlp.down_proj")))  # type: ignore[arg-type]
         if head:
-            _nvfp4_head(self, config, fused=fused)
+            _nvfp4_head(self, config, fused=fused, tiled=tiled)
 
 
-def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool) -> None:
+def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool, tiled: bool) -> None:
     """Swap the stock head for an NVFP4 one (``ATTNQUANT_QUANT_HEAD=1``): weights
     ``lm_head.weight``, ``weight_scale``, ``weight_scale_2``, run as the projections run. A tied
     head stops sharing the embedding's weight: the embedding keeps its float table."""
@@ -182,8 +188,27 @@ def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool) -> None:
             dtype=config.dtype,
             device=config.devices[0],
             fused=fused,
+            tiled=tiled,
         ),
     )
+
+
+def _tile_state(state: dict[str, Any]) -> int:
+    """Rewrite every NVFP4 weight of ``state`` (packed codes and block scales: ``.weight`` and
+    ``.weight_scale``, ``W0_packed`` and ``W0_scale``) in the tiled layout, in place; the
+    number rewritten. Same shapes and bytes (:func:`attnquant_kernels.layout.tile_nvfp4`)."""
+    import numpy as np
+    from max.graph.weights import WeightData
+
+    pairs = [(k[: -len("_scale")], k) for k in state if k.endswith(".weight_scale")]
+    pairs += [(k[: -len("W0_scale")] + "W0_packed", k) for k in state if k.endswith(".W0_scale")]
+    for packed_key, scale_key in pairs:
+        packed, scale = tile_nvfp4(
+            np.from_dlpack(state[packed_key]), np.from_dlpack(state[scale_key])
+        )
+        for key, array in ((packed_key, packed), (scale_key, scale)):
+            state[key] = WeightData.from_numpy(array, getattr(state[key], "name", key))
+    return len(pairs)
 
 
 def _nvfp4_kernel_fused(device: Any, shapes: Mapping[str, tuple[int, int]]) -> bool:
@@ -234,6 +259,7 @@ class ThetaLlama3Model(Llama3Model):
     """
 
     weight_bytes: int = 0
+    _tiled: int = 0  # id() of the state dict rewritten in the tiled NVFP4 layout
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
         head = HEAD_SCALE_2 in self.state_dict  # ATTNQUANT_QUANT_HEAD=1
@@ -264,6 +290,16 @@ class ThetaLlama3Model(Llama3Model):
             raise NotImplementedError(message)
 
     def _spec(self, model_config: Llama3Config, model: Llama3) -> GraphSpec:
+        if getattr(model, "nvfp4_tiled", False) and self._tiled != id(self.state_dict):
+            count = _tile_state(self.state_dict)
+            self._tiled = id(self.state_dict)  # once per state, however often the spec is built
+            logger.info(
+                "NVFP4 on %s: %d packed weights rewritten at load in the tiled layout that "
+                "generated_linear_nvfp4_tiled reads (same bytes; each tile of 16 rows one "
+                "stream)",
+                model_config.devices[0],
+                count,
+            )
         model.load_state_dict(
             self.state_dict, override_quantization_encoding=True, weight_alignment=1, strict=True
         )

@@ -382,6 +382,9 @@ class ThetaBuilder:
     nvfp4_fused : bool
         GEMM, families whose ``W0`` is NVFP4: one ``generated_linear_nvfp4`` dispatch per
         projection (``True``) or ``W0`` dequantized in the graph (``ATTNQUANT_NVFP4_KERNEL``).
+    nvfp4_tiled : bool
+        Fused on the CPU: the packed ``W0`` are held in the tiled layout
+        (:func:`attnquant_max._nvfp4_layers.nvfp4_tiled`).
     """
 
     def __init__(
@@ -393,9 +396,11 @@ class ThetaBuilder:
         dtype: DType,
         device: DeviceRef,
         nvfp4_fused: bool = False,
+        nvfp4_tiled: bool = False,
     ) -> None:
         self.layout = layout
         self.nvfp4_fused = nvfp4_fused
+        self.nvfp4_tiled = nvfp4_tiled
         self.shapes = dict(shapes)
         self.dtype, self.device = dtype, device
         self.num_layers = num_layers
@@ -480,6 +485,7 @@ class ThetaBuilder:
             dtype=self.dtype,
             device=self.device,
             fused=self.nvfp4_fused,
+            tiled=self.nvfp4_tiled,
             band=(w, ws, ws2),
             theta=True,
             rank=how.rank,

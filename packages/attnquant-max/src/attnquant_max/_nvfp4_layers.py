@@ -49,7 +49,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from max.dtype import DType
@@ -58,6 +58,7 @@ from max.nn import Module
 
 from attnquant_kernels import MAX_RANK
 from attnquant_kernels.graph import generated_linear_nvfp4, nvfp4_dequantize
+from attnquant_kernels.layout import cpu_prefers_tiled, tile_nvfp4
 
 from ._nvfp4 import BLOCK_SIZE, E2M1_VALUES, E4M3_VALUES, check_nvfp4_shape
 
@@ -70,6 +71,7 @@ __all__ = [
     "dequantize_in_graph",
     "measure_nvfp4",
     "nvfp4_fused",
+    "nvfp4_tiled",
     "packed_specs",
 ]
 
@@ -190,6 +192,10 @@ class NVFP4Linear(Module):
         Fused: the rows from which the weight is written by ``nvfp4_dequantize`` and one stock
         matmul runs instead of the op (:func:`by_rows`); ``None``: the op at every batch.
         ``"auto"``: :data:`DENSE_FROM_ROWS` on an accelerator, ``None`` on the CPU.
+    tiled : bool
+        Fused on the CPU: the packed weight and scales hold the tiled layout
+        (:func:`attnquant_kernels.layout.tile_nvfp4`, written at load by the model's owner),
+        read by ``generated_linear_nvfp4_tiled`` (:func:`nvfp4_tiled`).
     """
 
     def __init__(
@@ -204,9 +210,13 @@ class NVFP4Linear(Module):
         theta: bool = False,
         rank: int = 0,
         dense_from_rows: int | Literal["auto"] | None = "auto",
+        tiled: bool = False,
     ) -> None:
         super().__init__()
         check_nvfp4_shape((out_dim, in_dim))
+        if tiled and not (fused and device.device_type.value == "cpu"):
+            raise ValueError("NVFP4Linear: the tiled layout is read by the fused op on the CPU")
+        self.tiled = tiled
         if dense_from_rows == "auto":
             dense_from_rows = None if device.device_type.value == "cpu" else DENSE_FROM_ROWS
         self.dense_from_rows = dense_from_rows
@@ -290,7 +300,7 @@ class NVFP4Linear(Module):
         in_kernel = 0 < self.rank <= MAX_RANK
         U = TensorValue(self.theta_U).to(flat.device) if in_kernel else None
         V = TensorValue(self.theta_V).to(flat.device) if in_kernel else None
-        y = generated_linear_nvfp4(flat, *self._packed(flat.device), s, U, V)
+        y = generated_linear_nvfp4(flat, *self._packed(flat.device), s, U, V, tiled=self.tiled)
         if self.rank > MAX_RANK:
             y = y + self.correction(flat)
         return y
@@ -387,12 +397,19 @@ class NVFP4StackedLinear(Module):
         return ops.concat(outs, axis=-1)
 
 
+def nvfp4_tiled(device: DeviceRef) -> bool:
+    """Whether fused NVFP4 projections on ``device`` read the tiled layout: on a CPU whose lane
+    tiles run it faster (:func:`attnquant_kernels.layout.cpu_prefers_tiled`: AVX-512)."""
+    return device.device_type.value == "cpu" and cpu_prefers_tiled()
+
+
 def measure_nvfp4(
     device: DeviceRef, out_dim: int, in_dim: int, *, runs: int = 5
 ) -> dict[str, float]:
     """Seconds of one batch-1 execution of an ``[out, in]`` NVFP4 projection, best of ``runs``:
-    ``"fused"`` (``generated_linear_nvfp4``) and ``"dequantize"`` (in the graph, then matmul),
-    and ``"max_rel_difference"`` between their outputs (relative to the largest entry).
+    ``"fused"`` (``generated_linear_nvfp4``, on the tiled layout where :func:`nvfp4_tiled`)
+    and ``"dequantize"`` (in the graph, then matmul), and ``"max_rel_difference"`` between
+    their outputs (relative to the largest entry).
 
     Compiles two small graphs (cached by MAX after the first time); random packed weights.
     """
@@ -419,15 +436,23 @@ def measure_nvfp4(
         TensorType(DType.uint8, [out_dim, in_dim // BLOCK_SIZE], device=device),
         TensorType(DType.float32, [1], device=device),
     ]
-    inputs = [Buffer.from_numpy(a).to(target) if on_gpu else Buffer.from_numpy(a) for a in arrays]
+    tiled = nvfp4_tiled(device)
+
+    def buffers(values: list[np.ndarray]) -> list[Any]:
+        return [Buffer.from_numpy(a).to(target) if on_gpu else Buffer.from_numpy(a) for a in values]
+
     seconds: dict[str, float] = {}
     outputs: dict[str, np.ndarray] = {}
     for name in ("fused", "dequantize"):
-        graph_name = f"aq_nvfp4_{name}_{out_dim}x{in_dim}"
+        inputs = buffers(arrays)
+        if name == "fused" and tiled:  # the same weight, in the layout the tiled op reads
+            inputs = buffers([arrays[0], *tile_nvfp4(arrays[1], arrays[2]), arrays[3]])
+        graph_name = f"aq_nvfp4_{name}{'_tiled' if tiled and name == 'fused' else ''}"
+        graph_name += f"_{out_dim}x{in_dim}"
         with Graph(graph_name, input_types=types, custom_extensions=[kernels_path()]) as g:
             x, w, ws, ws2 = (v.tensor for v in g.inputs)
             if name == "fused":
-                g.output(generated_linear_nvfp4(x, w, ws, ws2))
+                g.output(generated_linear_nvfp4(x, w, ws, ws2, tiled=tiled))
             else:
                 g.output(x @ dequantize_in_graph(w, ws, ws2, DType.float32).T)
         model = session.load(g)
@@ -469,7 +494,9 @@ def nvfp4_fused(device: DeviceRef, out_dim: int, in_dim: int) -> bool:
         "NVFP4 projections on %s: %s (measured at start-up on one %dx%d projection, batch 1: "
         "fused generated_linear_nvfp4 %.3f ms, dequantize in the graph + matmul %.3f ms)",
         device,
-        "fused generated_linear_nvfp4" if fused else "dequantized in the graph, then matmul",
+        ("fused generated_linear_nvfp4" + ("_tiled" if nvfp4_tiled(device) else ""))
+        if fused
+        else "dequantized in the graph, then matmul",
         out_dim,
         in_dim,
         seconds["fused"] * 1e3,

@@ -14,13 +14,22 @@
 
 from std.collections import Array
 from std.math import ceildiv
+from std.memory import bitcast
 
 from max.algorithm import parallelize
 
 from ._common import ADD, F32, STORE, Ptr
 from ._cpu import M_BLOCK, N_BLOCK, project_cpu
-from ._nvfp4 import QBLOCK, U8, _nvfp4_block, e2m1_x2_block, e4m3_half_table
-from ._nvfp4_lanes import LANES, LANES_BELOW_ROWS, LANES_GROUPS, NVFP4_LANES, nvfp4_lanes_rows
+from ._nvfp4 import QBLOCK, U8, _nvfp4_block, e2m1_x2_block, e4m3, e4m3_half_table
+from ._nvfp4_lanes import (
+    LANES,
+    LANES_BELOW_ROWS,
+    LANES_GROUPS,
+    NVFP4_LANES,
+    U32,
+    lookup_e2m1,
+    nvfp4_lanes_rows,
+)
 from ._panel import (
     NV,
     NVFP4_PANEL_FROM_ROWS,
@@ -77,8 +86,52 @@ def _fill_panel[
     fill_correction[sdt](u, us, r, K, n0, panel)
 
 
+def _fill_panel_tiled[
+    sdt: DType
+](
+    w: Ptr[U8],
+    ws: Int,
+    scale: Ptr[U8],
+    ss: Int,
+    scale_2: Float32,
+    s: Ptr[sdt],
+    s_step: Int,
+    u: Ptr[sdt],
+    us: Int,
+    r: Int,
+    K: Int,
+    n0: Int,
+    panel: Ptr[F32],
+    k0: Int,
+):
+    """`_fill_panel` from the tiled layout (`tile_nvfp4`): each word of a tile holds one input's
+    codes of its 16 rows, so a decoded word is 8 rows of the panel as they are stored, with
+    no transpose."""
+    comptime assert PW % LANES == 0, "a panel holds whole tiles"
+    for g in range(PW // LANES):
+        var n = n0 + g * LANES
+        var wt = w.unsafe_offset(n * ws)
+        var st = scale.unsafe_offset(n * ss)
+        var f = SIMD[F32, LANES](0)
+        comptime for i in range(LANES):
+            f[i] = s.unsafe_load((n + i) * s_step).cast[F32]() * scale_2
+        var b0 = k0 // QBLOCK
+        for b in range(K // QBLOCK):
+            var step = e4m3[LANES](st.unsafe_load[width=LANES]((b0 + b) * LANES).cast[U32]()) * f
+            comptime for half in range(2):
+                var words = bitcast[U32, LANES](
+                    wt.unsafe_load[width=64](((b0 + b) * 2 + half) * 64)
+                )
+                comptime for i in range(8):
+                    panel.unsafe_store[width=LANES](
+                        (b * QBLOCK + half * 8 + i) * PW + g * LANES,
+                        lookup_e2m1(words >> UInt32(4 * i)) * step,
+                    )
+    fill_correction[sdt](u, us, r, K, n0, panel)
+
+
 def nvfp4_linear_cpu[
-    xdt: DType, sdt: DType, odt: DType
+    xdt: DType, sdt: DType, odt: DType, tiled: Bool = False
 ](
     x: Ptr[xdt],
     xs: Int,
@@ -104,7 +157,9 @@ def nvfp4_linear_cpu[
 
     Below NVFP4_PANEL_FROM_ROWS rows, work items of N_BLOCK x M_BLOCK outputs decoded in
     registers; from there on, one work item per panel of PW columns over every row (the
-    columns past the last whole panel as below).
+    columns past the last whole panel as below). `tiled`: `w` and `scale` in the layout of
+    `tile_nvfp4`; every whole tile of 16 rows then runs on the lane tiles (below the panel
+    rows, and past the last whole panel), the rows past the last tile as row-major.
     """
     if M == 0 or N == 0:
         return
@@ -114,7 +169,9 @@ def nvfp4_linear_cpu[
     var t = t_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
     project_cpu[xdt, sdt](x, xs, M, K, v, vs, r, t, r)
 
-    var panels = N // PW if M >= NVFP4_PANEL_FROM_ROWS else 0
+    # Tiled: the rows of whole tiles; the last N % 16 are row-major.
+    var n_tiles = (N // LANES) * LANES if tiled else N
+    var panels = n_tiles // PW if M >= NVFP4_PANEL_FROM_ROWS else 0
     var n_tail = panels * PW
 
     def panel_item(i: Int) {var}:
@@ -122,9 +179,14 @@ def nvfp4_linear_cpu[
         if K <= KC:
             var buf = List[Float32](unsafe_uninit_length=(K + r) * PW)
             var panel = buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-            _fill_panel[sdt](
-                w, ws, scale, ss, table, scale_2, s, s_step, u, us, r, K, n0, panel, 0
-            )
+            comptime if tiled:
+                _fill_panel_tiled[sdt](
+                    w, ws, scale, ss, scale_2, s, s_step, u, us, r, K, n0, panel, 0
+                )
+            else:
+                _fill_panel[sdt](
+                    w, ws, scale, ss, table, scale_2, s, s_step, u, us, r, K, n0, panel, 0
+                )
             panel_rows[xdt, odt, STORE, 0](x, xs, t, r, panel, K, dst, os, M, n0)
             _ = buf^
             return
@@ -138,9 +200,14 @@ def nvfp4_linear_cpu[
             var kk = min(KC, K - k0)
             var rr = r if k0 + kk == K else 0
             var xk = x.unsafe_offset(k0)
-            _fill_panel[sdt](
-                w, ws, scale, ss, table, scale_2, s, s_step, u, us, rr, kk, n0, panel, k0
-            )
+            comptime if tiled:
+                _fill_panel_tiled[sdt](
+                    w, ws, scale, ss, scale_2, s, s_step, u, us, rr, kk, n0, panel, k0
+                )
+            else:
+                _fill_panel[sdt](
+                    w, ws, scale, ss, table, scale_2, s, s_step, u, us, rr, kk, n0, panel, k0
+                )
             if k0 == 0:
                 panel_rows[xdt, F32, STORE, 0](xk, xs, t, rr, panel, kk, sums, PW, M, 0)
             else:
@@ -157,14 +224,15 @@ def nvfp4_linear_cpu[
     if panels > 0:
         parallelize(panel_item, panels)
 
-    comptime if NVFP4_LANES:
-        if M < LANES_BELOW_ROWS and N - n_tail >= LANES:
-            # A decode step on AVX-512: sixteen weight rows in the lanes (_nvfp4_lanes.mojo).
+    comptime if NVFP4_LANES or tiled:
+        if (tiled or M < LANES_BELOW_ROWS) and n_tiles - n_tail >= LANES:
+            # A decode step on AVX-512: sixteen weight rows in the lanes (_nvfp4_lanes.mojo);
+            # tiled, every whole tile the panels left.
             var n_lanes = n_tail
-            var groups = (N - n_tail) // LANES
+            var groups = (n_tiles - n_tail) // LANES
 
             def lanes_item(i: Int) {var}:
-                nvfp4_lanes_rows[xdt, sdt, odt](
+                nvfp4_lanes_rows[xdt, sdt, odt, tiled](
                     x,
                     xs,
                     w,

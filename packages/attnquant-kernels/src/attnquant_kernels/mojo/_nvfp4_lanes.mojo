@@ -19,8 +19,18 @@
 # 1024 x 4096 in 0.20 ms against 0.30-0.31 ms.
 #
 # K is taken 128 inputs at a time; a last part of fewer is copied into a zero-padded tile
-# first (zero codes, scales and inputs add nothing). Only where the target has AVX-512
-# (`NVFP4_LANES`); elsewhere _nvfp4_block serves every shape.
+# first (zero codes, scales and inputs add nothing). On Model Optimizer's row-major layout only
+# where the target has AVX-512 (`NVFP4_LANES`); elsewhere _nvfp4_block serves every shape.
+#
+# The tiled layout (`generated_linear_nvfp4_tiled`; `attnquant_kernels.layout.tile_nvfp4`
+# writes it at load) stores each tile of 16 rows already transposed: for every 8 inputs (one
+# 32-bit word of each row), the 16 rows' words side by side, 64 bytes; the scales likewise,
+# per block of 16 inputs the 16 rows' bytes. A tile is then one contiguous stream of 8 * K
+# bytes read front to back, with no transpose and no gather, where the row-major tile reads 16
+# streams: 4096 x 1024 in 0.13-0.15 ms against 0.18-0.20 (standalone driver, one input row,
+# the weight in DRAM, interleaved, r = 0). The rows past the last whole tile stay row-major
+# after the tiles, so every byte is where `_nvfp4_block` expects it there. Off AVX-512 the
+# tiled op runs these tiles too, looking codes up lane by lane.
 
 from std.collections import Array
 from std.math import fma
@@ -41,6 +51,9 @@ comptime U32 = DType.uint32
 # 1024, 0.97-0.99x at 1024 x 4096 (whose next tile is 32 KiB ahead). L1 alone at 64, 128, 256
 # and 512 bytes: 1.01x, 1.14-1.16x, 1.08x, 1.02x at 4096 x 1024.
 comptime PREFETCH_AHEAD = 128
+# Bytes ahead of the tiled layout's stream prefetched into L1 (two chunks). 1, 2 and 4 KiB ran
+# within noise of each other (standalone driver, 4096 x 1024 and 1024 x 4096).
+comptime TILED_AHEAD = 2048
 
 # The E2M1 values of the 16 codes (code 8 is -0).
 comptime E2M1 = SIMD[F32, LANES](
@@ -60,11 +73,20 @@ comptime LANES_GROUPS = 4
 
 
 @always_inline
-def _lookup(codes: SIMD[U32, LANES]) -> SIMD[F32, LANES]:
-    """The E2M1 value of the low 4 bits of each lane (one `vpermps`; higher bits ignored)."""
-    return llvm_intrinsic["llvm.x86.avx512.permvar.sf.512", SIMD[F32, LANES]](
-        E2M1, bitcast[DType.int32, LANES](codes)
-    )
+def lookup_e2m1(codes: SIMD[U32, LANES]) -> SIMD[F32, LANES]:
+    """The E2M1 value of the low 4 bits of each lane (one `vpermps`; higher bits ignored).
+
+    Off AVX-512 (where only the tiled layout's op runs these tiles, `TILED`), lane by lane.
+    """
+    comptime if NVFP4_LANES:
+        return llvm_intrinsic["llvm.x86.avx512.permvar.sf.512", SIMD[F32, LANES]](
+            E2M1, bitcast[DType.int32, LANES](codes)
+        )
+    else:
+        var out = SIMD[F32, LANES](0)
+        comptime for q in range(LANES):
+            out[q] = E2M1[Int(codes[q] & 15)]
+        return out
 
 
 @always_inline
@@ -137,7 +159,7 @@ def _block_scale[
 
 @always_inline
 def _chunk[
-    xdt: DType, mr: Int
+    xdt: DType, mr: Int, tiled: Bool
 ](
     x: Ptr[xdt],
     xs: Int,
@@ -150,19 +172,34 @@ def _chunk[
 ):
     """`acc[j][i] += <W'[i, :128], x[j, :128]>` for 16 rows of W' (without scale_2) and mr of x.
 
-    `ahead`: 1 KiB of the next tile's weight rows to prefetch meanwhile (any address will do).
+    Row-major (Model Optimizer's layout): `w`, `scale` at row 0 of the chunk, rows `ws`, `ss`
+    apart; `ahead`: 1 KiB of the next tile's weight rows to prefetch meanwhile (any address
+    will do). Tiled (`tile_nvfp4`): `w` at the chunk's 16 words of 16 rows (1 KiB), `scale` at
+    its 8 blocks of 16 rows' scale bytes (128 bytes); the strides and `ahead` are not read.
     """
     var rows = Array[SIMD[U32, LANES], LANES](fill=0)
-    comptime for i in range(LANES):
-        rows[i] = bitcast[U32, LANES](w.unsafe_load[width=64](i * ws))
-        # Into L1: this row two chunks on; into L2: the next tile's rows, line by line, so a
-        # tile's 16 * ws contiguous bytes are fetched while the one before it is decoded.
-        prefetch[PrefetchOptions().for_read().high_locality()](
-            w.unsafe_offset(i * ws + PREFETCH_AHEAD)
-        )
-        prefetch[PrefetchOptions().for_read().medium_locality()](ahead.unsafe_offset(i * 64))
-    _transpose(rows)
-    var sb = _scale_bytes(scale, ss)
+    var sb = (SIMD[DType.uint64, 8](0), SIMD[DType.uint64, 8](0))
+    comptime if tiled:
+        # Already transposed: word q of every row is one vector. The stream is contiguous, so
+        # one prefetch per line a fixed distance ahead keeps it in flight.
+        comptime for q in range(LANES):
+            rows[q] = bitcast[U32, LANES](w.unsafe_load[width=64](q * 64))
+            prefetch[PrefetchOptions().for_read().high_locality()](
+                w.unsafe_offset(TILED_AHEAD + q * 64)
+            )
+    else:
+        comptime for i in range(LANES):
+            rows[i] = bitcast[U32, LANES](w.unsafe_load[width=64](i * ws))
+            # Into L1: this row two chunks on; into L2: the next tile's rows, line by line, so a
+            # tile's 16 * ws contiguous bytes are fetched while the one before it is decoded.
+            prefetch[PrefetchOptions().for_read().high_locality()](
+                w.unsafe_offset(i * ws + PREFETCH_AHEAD)
+            )
+            prefetch[PrefetchOptions().for_read().medium_locality()](
+                ahead.unsafe_offset(i * 64)
+            )
+        _transpose(rows)
+        sb = _scale_bytes(scale, ss)
     # One input row: two partial sums per block, so two FMA chains are in flight.
     comptime P = 2 if mr == 1 else 1
     comptime for b in range(CHUNK_BLOCKS):
@@ -170,7 +207,7 @@ def _chunk[
         comptime for half in range(2):
             var words = rows[2 * b + half]
             comptime for i in range(8):
-                var vals = _lookup(words >> UInt32(4 * i))
+                var vals = lookup_e2m1(words >> UInt32(4 * i))
                 comptime k = 16 * b + 8 * half + i
                 comptime for j in range(mr):
                     part[P * j + i % P] = fma(
@@ -178,7 +215,11 @@ def _chunk[
                         SIMD[F32, LANES](x.unsafe_load(j * xs + k).cast[F32]()),
                         part[P * j + i % P],
                     )
-        var sc = _block_scale[b](sb[0], sb[1])
+        var sc: SIMD[F32, LANES]
+        comptime if tiled:
+            sc = e4m3[LANES](scale.unsafe_load[width=LANES](b * LANES).cast[U32]())
+        else:
+            sc = _block_scale[b](sb[0], sb[1])
         comptime for j in range(mr):
             comptime if P == 2:
                 acc[j] = fma(part[2 * j] + part[2 * j + 1], sc, acc[j])
@@ -188,7 +229,7 @@ def _chunk[
 
 @always_inline
 def _lanes_tile[
-    xdt: DType, sdt: DType, odt: DType, mr: Int
+    xdt: DType, sdt: DType, odt: DType, mr: Int, tiled: Bool
 ](
     x: Ptr[xdt],
     xs: Int,
@@ -209,19 +250,26 @@ def _lanes_tile[
     m: Int,
     n: Int,
 ):
-    """Outputs [m, m + mr) x [n, n + 16): y = s * scale_2 * <W', x> + <U, t>."""
+    """Outputs [m, m + mr) x [n, n + 16): y = s * scale_2 * <W', x> + <U, t>.
+
+    Either layout puts the tile's weights at `w + n * ws` and its scales at `scale + n * ss`
+    (a tile of the tiled layout holds the 16 rows' bytes, transposed).
+    """
     var acc = Array[SIMD[F32, LANES], mr](fill=0)
     var xm = x.unsafe_offset(m * xs)
     var wn = w.unsafe_offset(n * ws)
     var sn = scale.unsafe_offset(n * ss)
+    # Bytes from one chunk to the next: of a row (row-major), of the tile (tiled).
+    comptime W_STEP = LANES * 64 if tiled else KCHUNK // 2
+    comptime S_STEP = LANES * CHUNK_BLOCKS if tiled else CHUNK_BLOCKS
     var chunks = K // KCHUNK
     for c in range(chunks):
-        _chunk[xdt, mr](
+        _chunk[xdt, mr, tiled](
             xm.unsafe_offset(c * KCHUNK),
             xs,
-            wn.unsafe_offset(c * (KCHUNK // 2)),
+            wn.unsafe_offset(c * W_STEP),
             ws,
-            sn.unsafe_offset(c * CHUNK_BLOCKS),
+            sn.unsafe_offset(c * S_STEP),
             ss,
             wn.unsafe_offset(LANES * ws + c * LANES * 64),
             acc,
@@ -233,16 +281,23 @@ def _lanes_tile[
         var wbuf = Array[UInt8, LANES * 64](fill=0)
         var sbuf = Array[UInt8, LANES * CHUNK_BLOCKS](fill=0)
         var xbuf = Array[Float32, mr * KCHUNK](fill=0)
-        for i in range(LANES):
-            for q in range(nb * 8):
-                wbuf[i * 64 + q] = wn.unsafe_load(i * ws + k0 // 2 + q)
-            for q in range(nb):
-                sbuf[i * CHUNK_BLOCKS + q] = sn.unsafe_load(i * ss + k0 // 16 + q)
+        comptime if tiled:
+            # Its 2 * nb words of 16 rows, then its nb blocks of 16 scale bytes.
+            for q in range(nb * 2 * 64):
+                wbuf[q] = wn.unsafe_load(chunks * W_STEP + q)
+            for q in range(nb * LANES):
+                sbuf[q] = sn.unsafe_load(chunks * S_STEP + q)
+        else:
+            for i in range(LANES):
+                for q in range(nb * 8):
+                    wbuf[i * 64 + q] = wn.unsafe_load(i * ws + k0 // 2 + q)
+                for q in range(nb):
+                    sbuf[i * CHUNK_BLOCKS + q] = sn.unsafe_load(i * ss + k0 // 16 + q)
         for j in range(mr):
             for q in range(K - k0):
                 xbuf[j * KCHUNK + q] = xm.unsafe_load(j * xs + k0 + q).cast[F32]()
         var wb = wbuf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-        _chunk[F32, mr](
+        _chunk[F32, mr, tiled](
             xbuf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin](),
             KCHUNK,
             wb,
@@ -260,7 +315,7 @@ def _lanes_tile[
 
 
 def nvfp4_lanes_rows[
-    xdt: DType, sdt: DType, odt: DType
+    xdt: DType, sdt: DType, odt: DType, tiled: Bool = False
 ](
     x: Ptr[xdt],
     xs: Int,
@@ -285,23 +340,24 @@ def nvfp4_lanes_rows[
 ):
     """Outputs [m0, m1) x [n0, n1) on the calling thread, `n1 - n0` a multiple of 16.
 
-    Up to four input rows at a time share each decoded code.
+    Up to four input rows at a time share each decoded code. `tiled`: the weight and scales
+    are in the layout of `tile_nvfp4` (`n0` then a multiple of 16).
     """
     var n = n0
     while n < n1:
         var m = m0
         while m + 4 <= m1:
-            _lanes_tile[xdt, sdt, odt, 4](
+            _lanes_tile[xdt, sdt, odt, 4, tiled](
                 x, xs, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst, os, K, m, n
             )
             m += 4
         if m + 2 <= m1:
-            _lanes_tile[xdt, sdt, odt, 2](
+            _lanes_tile[xdt, sdt, odt, 2, tiled](
                 x, xs, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst, os, K, m, n
             )
             m += 2
         if m < m1:
-            _lanes_tile[xdt, sdt, odt, 1](
+            _lanes_tile[xdt, sdt, odt, 1, tiled](
                 x, xs, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst, os, K, m, n
             )
         n += LANES

@@ -12,6 +12,10 @@
 #   V        [K, r]
 #
 # W[n, k] = E2M1[code] * E4M3(scale[n, k // 16]) * scale_2.
+#
+# generated_linear_nvfp4_tiled: the same on the CPU with `w` and `scale` in the tiled layout of
+# `attnquant_kernels.layout.tile_nvfp4` (same shapes and bytes, each tile of 16 rows
+# transposed, _nvfp4_lanes.mojo), which a decode step reads as one stream per tile.
 
 import extensibility as compiler
 from extensibility import InputTensor, OutputTensor
@@ -23,6 +27,7 @@ from ._nvfp4 import QBLOCK, nvfp4_linear_gpu
 from ._nvfp4_cpu import nvfp4_linear_cpu
 
 comptime OP = "generated_linear_nvfp4"
+comptime OP_TILED = "generated_linear_nvfp4_tiled"
 
 
 @compiler.register("generated_linear_nvfp4")
@@ -41,88 +46,106 @@ struct GeneratedLinearNVFP4:
         v: InputTensor[dtype=y.dtype, rank=2, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime assert (
-            y.dtype.is_floating_point()
-        ), "generated_linear_nvfp4: float activations only"
-        var M = x.dim_size(0)
-        var K = x.dim_size(1)
-        var N = w.dim_size(0)
-        var r = u.dim_size(1)
-        if K % QBLOCK != 0:
-            raise Error(
-                OP,
-                ": x has ",
-                K,
-                " inputs, not a multiple of ",
-                QBLOCK,
-                " (one E4M3 scale per 16 inputs)",
-            )
-        check_rank(OP, "correction", r)
-        check_dim(OP, "weight", 1, w.dim_size(1), K // 2)
-        check_dim(OP, "weight_scale", 0, scale.dim_size(0), N)
-        check_dim(OP, "weight_scale", 1, scale.dim_size(1), K // QBLOCK)
-        check_dim(OP, "weight_scale_2", 0, scale_2.dim_size(0), 1)
-        check_dim(OP, "s", 0, s.dim_size(0), N)
-        check_dim(OP, "U", 0, u.dim_size(0), N)
-        check_dim(OP, "V", 0, v.dim_size(0), K)
-        check_dim(OP, "V", 1, v.dim_size(1), r)
-        check_dim(OP, "y", 0, y.dim_size(0), M)
-        check_dim(OP, "y", 1, y.dim_size(1), N)
-        var xs = row_stride(OP, "x", x)
-        var ws = row_stride(OP, "weight", w)
-        var ss = row_stride(OP, "weight_scale", scale)
-        var us = row_stride(OP, "U", u)
-        var vs = row_stride(OP, "V", v)
-        # s may be a broadcast (stride 0): the wrapper's ones for a plain NVFP4 projection.
-        var s_step = s.stride_length(0) if N > 1 else 1
-        if M > 0 and N > 1 and y.stride_length(1) != 1:
-            raise Error(OP, ": y rows are not contiguous")
-        var ys = y.stride_length(0)
+        execute_nvfp4[target, False](y, x, w, scale, scale_2, s, u, v, ctx)
 
-        comptime if is_cpu[target]():
-            nvfp4_linear_cpu[x.dtype, s.dtype, y.dtype](
-                x.unsafe_ptr(),
-                xs,
-                M,
-                K,
-                w.unsafe_ptr(),
-                ws,
-                scale.unsafe_ptr(),
-                ss,
-                scale_2.unsafe_ptr().unsafe_load(0),
-                s.unsafe_ptr(),
-                s_step,
-                u.unsafe_ptr(),
-                us,
-                v.unsafe_ptr(),
-                vs,
-                r,
-                N,
-                y.unsafe_ptr(),
-                ys,
-            )
-        elif is_gpu[target]():
-            nvfp4_linear_gpu[x.dtype, s.dtype, y.dtype](
-                ctx,
-                x.unsafe_ptr(),
-                xs,
-                M,
-                K,
-                w.unsafe_ptr(),
-                ws,
-                scale.unsafe_ptr(),
-                ss,
-                scale_2.unsafe_ptr(),
-                s.unsafe_ptr(),
-                s_step,
-                u.unsafe_ptr(),
-                us,
-                v.unsafe_ptr(),
-                vs,
-                r,
-                N,
-                y.unsafe_ptr(),
-                ys,
-            )
-        else:
-            raise Error(OP, ": unsupported target ", target)
+
+def execute_nvfp4[
+    target: StaticString, tiled: Bool
+](
+    y: OutputTensor[rank=2, ...],
+    x: InputTensor[dtype=y.dtype, rank=2, ...],
+    w: InputTensor[dtype=DType.uint8, rank=2, ...],
+    scale: InputTensor[dtype=DType.uint8, rank=2, ...],
+    scale_2: InputTensor[dtype=DType.float32, rank=1, ...],
+    s: InputTensor[dtype=y.dtype, rank=1, ...],
+    u: InputTensor[dtype=y.dtype, rank=2, ...],
+    v: InputTensor[dtype=y.dtype, rank=2, ...],
+    ctx: DeviceContext,
+) raises:
+    comptime assert (
+        y.dtype.is_floating_point()
+    ), "generated_linear_nvfp4: float activations only"
+    var M = x.dim_size(0)
+    var K = x.dim_size(1)
+    var N = w.dim_size(0)
+    var r = u.dim_size(1)
+    if K % QBLOCK != 0:
+        raise Error(
+            OP,
+            ": x has ",
+            K,
+            " inputs, not a multiple of ",
+            QBLOCK,
+            " (one E4M3 scale per 16 inputs)",
+        )
+    check_rank(OP, "correction", r)
+    check_dim(OP, "weight", 1, w.dim_size(1), K // 2)
+    check_dim(OP, "weight_scale", 0, scale.dim_size(0), N)
+    check_dim(OP, "weight_scale", 1, scale.dim_size(1), K // QBLOCK)
+    check_dim(OP, "weight_scale_2", 0, scale_2.dim_size(0), 1)
+    check_dim(OP, "s", 0, s.dim_size(0), N)
+    check_dim(OP, "U", 0, u.dim_size(0), N)
+    check_dim(OP, "V", 0, v.dim_size(0), K)
+    check_dim(OP, "V", 1, v.dim_size(1), r)
+    check_dim(OP, "y", 0, y.dim_size(0), M)
+    check_dim(OP, "y", 1, y.dim_size(1), N)
+    var xs = row_stride(OP, "x", x)
+    var ws = row_stride(OP, "weight", w)
+    var ss = row_stride(OP, "weight_scale", scale)
+    var us = row_stride(OP, "U", u)
+    var vs = row_stride(OP, "V", v)
+    # s may be a broadcast (stride 0): the wrapper's ones for a plain NVFP4 projection.
+    var s_step = s.stride_length(0) if N > 1 else 1
+    if M > 0 and N > 1 and y.stride_length(1) != 1:
+        raise Error(OP, ": y rows are not contiguous")
+    var ys = y.stride_length(0)
+
+    comptime if is_cpu[target]():
+        nvfp4_linear_cpu[x.dtype, s.dtype, y.dtype, tiled](
+            x.unsafe_ptr(),
+            xs,
+            M,
+            K,
+            w.unsafe_ptr(),
+            ws,
+            scale.unsafe_ptr(),
+            ss,
+            scale_2.unsafe_ptr().unsafe_load(0),
+            s.unsafe_ptr(),
+            s_step,
+            u.unsafe_ptr(),
+            us,
+            v.unsafe_ptr(),
+            vs,
+            r,
+            N,
+            y.unsafe_ptr(),
+            ys,
+        )
+    elif is_gpu[target]():
+        comptime if tiled:
+            raise Error(OP_TILED, ": the tiled layout is the CPU's; on a GPU run ", OP)
+        nvfp4_linear_gpu[x.dtype, s.dtype, y.dtype](
+            ctx,
+            x.unsafe_ptr(),
+            xs,
+            M,
+            K,
+            w.unsafe_ptr(),
+            ws,
+            scale.unsafe_ptr(),
+            ss,
+            scale_2.unsafe_ptr(),
+            s.unsafe_ptr(),
+            s_step,
+            u.unsafe_ptr(),
+            us,
+            v.unsafe_ptr(),
+            vs,
+            r,
+            N,
+            y.unsafe_ptr(),
+            ys,
+        )
+    else:
+        raise Error(OP, ": unsupported target ", target)
