@@ -10,7 +10,7 @@ that the two agree bit for bit) and applies the float64 identity.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -71,48 +71,78 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="session")
+def linear_nvfp4_tiled() -> OpModel:
+    """generated_linear_nvfp4_tiled: the op (float32), the plain projection, the op on bfloat16."""
+    return build_linear_nvfp4_tiled()
+
+
+#: Model Optimizer's row-major layout, and the tiled one (generated_linear_nvfp4_tiled, CPU).
+LAYOUTS = ["row-major", "tiled"]
+
+
+def _op(request: pytest.FixtureRequest, layout: str) -> tuple[OpModel, Callable[..., None]]:
+    """The compiled op of ``layout`` and the check of one random case on it."""
+    if layout == "tiled":
+        return request.getfixturevalue("linear_nvfp4_tiled"), check_linear_nvfp4_tiled
+    return request.getfixturevalue("linear_nvfp4"), check_linear_nvfp4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("M", "K", "N", "R"), CASES)
 @pytest.mark.xdist_group("linear_nvfp4")
 def test_linear_nvfp4_matches_dequantize_then_identity(
-    linear_nvfp4: OpModel, M: int, K: int, N: int, R: int
+    request: pytest.FixtureRequest, layout: str, M: int, K: int, N: int, R: int
 ):
-    check_linear_nvfp4(linear_nvfp4, M, K, N, R, seed=M * 1000 + R)
+    """Both layouts at every shape. Tiled: lane tiles below 16 rows and past the last whole
+    panel, panels from 16 rows, the rows past the last tile of 16 row-major."""
+    model, check = _op(request, layout)
+    check(model, M, K, N, R, seed=M * 1000 + R)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     M=st.integers(1, 80),
-    blocks=st.integers(1, 12),
+    blocks=st.integers(1, 20),
     N=st.integers(1, 140),
     R=st.integers(0, MAX_RANK),
     seed=st.integers(0, 2**16),
 )
 @pytest.mark.xdist_group("linear_nvfp4")
 def test_linear_nvfp4_random_shapes(
-    linear_nvfp4: OpModel, M: int, blocks: int, N: int, R: int, seed: int
+    request: pytest.FixtureRequest, layout: str, M: int, blocks: int, N: int, R: int, seed: int
 ):
-    check_linear_nvfp4(linear_nvfp4, M, 16 * blocks, N, R, seed)
+    model, check = _op(request, layout)
+    check(model, M, 16 * blocks, N, R, seed)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("M", [16, 5, 1])
 @pytest.mark.xdist_group("linear_nvfp4")
-def test_linear_nvfp4_decodes_every_code_and_scale_byte_exactly(linear_nvfp4: OpModel, M: int):
+def test_linear_nvfp4_decodes_every_code_and_scale_byte_exactly(
+    request: pytest.FixtureRequest, layout: str, M: int
+):
     """x = rows of the identity: the plain output is W^T itself, bit for bit.
 
     Row n of W has scale byte n (all 256: subnormals, negatives, and the NaN bytes 0x7F and
-    0xFF, whose rows are NaN), its 16 codes random; global scale 1.
+    0xFF, whose rows are NaN), its 16 codes random; global scale 1. Tiled: 16 tiles of one
+    partial chunk each.
     """
+    model, _ = _op(request, layout)
     rng = np.random.default_rng(7)
     weight = rng.integers(0, 256, (256, 8), dtype=np.uint8)
     weight_scale = np.arange(256, dtype=np.uint8).reshape(256, 1)
     weight_scale_2 = np.ones(1, np.float32)
     _, s, U, V = theta(rng, 256, 16, 0)
     x = np.eye(16, dtype=np.float32)[:M]
-    _, plain, _, W_op, _ = linear_nvfp4(x, weight, weight_scale, weight_scale_2, s, U, V)
+    packed = tile_nvfp4(weight, weight_scale) if layout == "tiled" else (weight, weight_scale)
+    outs = model(x, *packed, weight_scale_2, s, U, V)
     W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
     assert np.isnan(W[[0x7F, 0xFF]]).all() and np.isfinite(np.delete(W, [0x7F, 0xFF], 0)).all()
-    np.testing.assert_array_equal(plain, W.T[:M])
-    np.testing.assert_array_equal(W_op, W)  # NaN rows included
+    np.testing.assert_array_equal(outs[1], W.T[:M])
+    if layout == "row-major":
+        np.testing.assert_array_equal(outs[3], W)  # nvfp4_dequantize, NaN rows included
 
 
 @pytest.mark.xdist_group("linear_nvfp4")
@@ -229,56 +259,3 @@ def test_dequantize_wrapper_refuses_bad_static_shapes_and_dtypes(
         Graph("aq_nvfp4_dequantize_static", input_types=_types(shapes)) as g,
     ):
         g.output(nvfp4_dequantize(*(v.tensor for v in g.inputs), getattr(DType, dtype)))
-
-
-# -- the tiled layout (generated_linear_nvfp4_tiled, CPU) ------------------------------------
-
-
-@pytest.fixture(scope="session")
-def linear_nvfp4_tiled() -> OpModel:
-    """Outputs: the tiled op (float32), the plain tiled projection, the op on bfloat16."""
-    return build_linear_nvfp4_tiled()
-
-
-@pytest.mark.parametrize(("M", "K", "N", "R"), CASES)
-@pytest.mark.xdist_group("linear_nvfp4")
-def test_linear_nvfp4_tiled_matches_dequantize_then_identity(
-    linear_nvfp4_tiled: OpModel, M: int, K: int, N: int, R: int
-):
-    """Every shape of the row-major op, on the tiled layout: lane tiles below 16 rows and past
-    the last whole panel, panels from 16 rows, the rows past the last tile row-major."""
-    check_linear_nvfp4_tiled(linear_nvfp4_tiled, M, K, N, R, seed=M * 1000 + R)
-
-
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    M=st.integers(1, 80),
-    blocks=st.integers(1, 20),
-    N=st.integers(1, 140),
-    R=st.integers(0, MAX_RANK),
-    seed=st.integers(0, 2**16),
-)
-@pytest.mark.xdist_group("linear_nvfp4")
-def test_linear_nvfp4_tiled_random_shapes(
-    linear_nvfp4_tiled: OpModel, M: int, blocks: int, N: int, R: int, seed: int
-):
-    check_linear_nvfp4_tiled(linear_nvfp4_tiled, M, 16 * blocks, N, R, seed)
-
-
-@pytest.mark.parametrize("M", [16, 5, 1])
-@pytest.mark.xdist_group("linear_nvfp4")
-def test_linear_nvfp4_tiled_decodes_every_code_and_scale_byte_exactly(
-    linear_nvfp4_tiled: OpModel, M: int
-):
-    """As the row-major case: x = rows of the identity, the plain output is W^T bit for bit,
-    all 256 scale bytes (NaN rows NaN), 16 tiles of one partial chunk each."""
-    rng = np.random.default_rng(7)
-    weight = rng.integers(0, 256, (256, 8), dtype=np.uint8)
-    weight_scale = np.arange(256, dtype=np.uint8).reshape(256, 1)
-    weight_scale_2 = np.ones(1, np.float32)
-    _, s, U, V = theta(rng, 256, 16, 0)
-    x = np.eye(16, dtype=np.float32)[:M]
-    tiled = tile_nvfp4(weight, weight_scale)
-    _, plain, _ = linear_nvfp4_tiled(x, *tiled, weight_scale_2, s, U, V)
-    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
-    np.testing.assert_array_equal(plain, W.T[:M])

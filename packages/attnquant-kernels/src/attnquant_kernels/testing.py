@@ -414,6 +414,25 @@ def nvfp4_random(
     return weight, weight_scale, weight_scale_2
 
 
+def _nvfp4_input_types(dev: Any) -> list[Any]:
+    """The inputs of the NVFP4 op models: ``x [M, K]``, ``weight [N, KH]``, ``weight_scale
+    [N, KB]``, ``weight_scale_2 [1]``, ``s [N]``, ``U [N, R]``, ``V [K, R]``."""
+    from max.dtype import DType
+    from max.graph import TensorType
+
+    f32, u8 = DType.float32, DType.uint8
+    shapes = (
+        (f32, ["M", "K"]),
+        (u8, ["N", "KH"]),
+        (u8, ["N", "KB"]),
+        (f32, [1]),
+        (f32, ["N"]),
+        (f32, ["N", "R"]),
+        (f32, ["K", "R"]),
+    )
+    return [TensorType(dtype, shape, device=dev) for dtype, shape in shapes]
+
+
 def build_linear_nvfp4(device: Device = "cpu") -> OpModel:
     """``generated_linear_nvfp4``, every dimension symbolic, compiled on ``device``.
 
@@ -425,26 +444,14 @@ def build_linear_nvfp4(device: Device = "cpu") -> OpModel:
     in bfloat16 (``transposed``, cast back to float32).
     """
     from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
+    from max.graph import DeviceRef, Graph
 
     from . import kernels_path
     from .graph import generated_linear_nvfp4, nvfp4_dequantize
 
     _check_device(device)
     dev = DeviceRef.GPU() if device == "gpu" else DeviceRef.CPU()
-    f32, u8 = DType.float32, DType.uint8
-    types = [
-        TensorType(dtype, shape, device=dev)
-        for dtype, shape in (
-            (f32, ["M", "K"]),
-            (u8, ["N", "KH"]),
-            (u8, ["N", "KB"]),
-            (f32, [1]),
-            (f32, ["N"]),
-            (f32, ["N", "R"]),
-            (f32, ["K", "R"]),
-        )
-    ]
+    types = _nvfp4_input_types(dev)
     name = _graph_name("linear_nvfp4", device)
     with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as g:
         x, w, ws, ws2, s, U, V = (v.tensor for v in g.inputs)
@@ -498,26 +505,12 @@ def build_linear_nvfp4_tiled() -> OpModel:
     :func:`build_linear_nvfp4`'s (``weight`` and ``weight_scale`` in the tiled layout of
     :func:`attnquant_kernels.layout.tile_nvfp4`); outputs the op (float32), the plain NVFP4
     projection, and the op on bfloat16 ``x``, ``s``, ``U``, ``V`` (cast back to float32)."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType
+    from max.graph import DeviceRef, Graph
 
     from . import kernels_path
     from .graph import generated_linear_nvfp4
 
-    dev = DeviceRef.CPU()
-    f32, u8 = DType.float32, DType.uint8
-    types = [
-        TensorType(dtype, shape, device=dev)
-        for dtype, shape in (
-            (f32, ["M", "K"]),
-            (u8, ["N", "KH"]),
-            (u8, ["N", "KB"]),
-            (f32, [1]),
-            (f32, ["N"]),
-            (f32, ["N", "R"]),
-            (f32, ["K", "R"]),
-        )
-    ]
+    types = _nvfp4_input_types(DeviceRef.CPU())
     with Graph(
         _graph_name("linear_nvfp4_tiled", "cpu"),
         input_types=types,

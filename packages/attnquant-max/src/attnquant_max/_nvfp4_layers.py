@@ -33,6 +33,12 @@ weight once (``nvfp4_dequantize``, attnquant-kernels, bit for bit the reference'
 stock matmul, below it dispatches the fused op (``dense_from_rows`` sets the threshold, or
 turns the branch off or on, per layer).
 
+On a CPU with AVX-512 (:func:`nvfp4_tiled`) a fused projection reads the tiled layout instead
+(``tiled=True``: ``generated_linear_nvfp4_tiled``): the model's owner rewrites each packed
+weight and its scales at load with :func:`attnquant_kernels.layout.tile_nvfp4`, the same bytes
+in the same shapes with each tile of 16 rows transposed, so a decode step reads one contiguous
+stream per tile (1.24-1.37x the row-major op's speed at one row, standalone).
+
 The same layer serves a theta checkpoint whose ``W0`` is stored in NVFP4 (format version 4)
 in the graph: ``theta=True`` adds the layer's ``theta_s`` (and, at ``rank > 0``, ``theta_U``,
 ``theta_V``), and ``band`` hands it the three packed tensors of its band, owned once per band
@@ -260,13 +266,19 @@ class NVFP4Linear(Module):
     def dequantized(self, device: DeviceRef) -> TensorValue:
         """The dense ``W [out, in]`` (``W0`` of a theta layer), rebuilt in the graph with two
         gathers and a multiply."""
+        self._row_major("dequantized in the graph")
         return dequantize_in_graph(*self._packed(device), self.dtype)
+
+    def _row_major(self, what: str) -> None:
+        if self.tiled:  # a tiled weight read as row-major would be a silent wrong answer
+            raise ValueError(f"NVFP4Linear: a weight in the tiled layout cannot be {what}")
 
     def matmul(self, x: TensorValue) -> TensorValue:
         """``x W^T`` over the dense weight: where the kernels are loaded (``fused``),
         ``nvfp4_dequantize`` writes ``W^T`` itself (MAX would copy a computed ``W``
         transposed), else :meth:`dequantized`; the same float32 values either way."""
         if self.fused:
+            self._row_major("dequantized by nvfp4_dequantize")
             return x @ nvfp4_dequantize(*self._packed(x.device), self.dtype, transposed=True)
         return x @ self.dequantized(x.device).T
 

@@ -27,8 +27,8 @@
 # 32-bit word of each row), the 16 rows' words side by side, 64 bytes; the scales likewise,
 # per block of 16 inputs the 16 rows' bytes. A tile is then one contiguous stream of 8 * K
 # bytes read front to back, with no transpose and no gather, where the row-major tile reads 16
-# streams: 4096 x 1024 in 0.13-0.15 ms against 0.18-0.20 (standalone driver, one input row,
-# the weight in DRAM, interleaved, r = 0). The rows past the last whole tile stay row-major
+# streams: 4096 x 1024 in 0.13-0.14 ms against 0.18-0.19 (standalone driver, one input row,
+# the weight in DRAM, interleaved, r = 0; 1.24-1.37x over shapes). The rows past the last whole tile stay row-major
 # after the tiles, so every byte is where `_nvfp4_block` expects it there. Off AVX-512 the
 # tiled op runs these tiles too, looking codes up lane by lane.
 
