@@ -12,6 +12,9 @@ in every decoder block, the three modules that hold projection weights:
 Families banded with a ``W0`` stored in NVFP4 (format version 4) are NVFP4 layers with ``s``,
 ``U``, ``V`` in the same model, beside any float form, their packed bytes held once per band.
 :class:`NVFP4Llama3` swaps every projection for an NVFP4 layer (``ATTNQUANT_QUANT=nvfp4``).
+In either, ``ATTNQUANT_QUANT_HEAD=1`` swaps the head for one too (the state then holds
+``lm_head.weight_scale_2``), and where the fused op serves on an AVX-512 CPU the pipeline
+model rewrites the packed weights in the tiled layout before the load (:func:`_tile_state`).
 
 :class:`ThetaLlama3Model` is the stock pipeline model, which builds this model
 instead of the stock one when the weight adapter handed it theta tensors (the
