@@ -41,6 +41,17 @@ def _check(weight: np.ndarray, weight_scale: np.ndarray) -> tuple[int, int]:
     return n, k
 
 
+def _regroup(a: np.ndarray, units: int, width: int, *, to_tiles: bool) -> np.ndarray:
+    """``a [N, units * width]`` with each tile's ``[16 rows, units]`` of ``width``-byte units
+    swapped to ``[units, 16 rows]`` (``to_tiles``) or back; the rows past the last tile kept."""
+    rows = (a.shape[0] // TILE_ROWS) * TILE_ROWS
+    order = (TILE_ROWS, units) if to_tiles else (units, TILE_ROWS)
+    out = np.empty_like(a, order="C")
+    out[:rows] = a[:rows].reshape(-1, *order, width).transpose(0, 2, 1, 3).reshape(rows, a.shape[1])
+    out[rows:] = a[rows:]
+    return out
+
+
 def tile_nvfp4(weight: np.ndarray, weight_scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The tiled layout of an NVFP4 weight (module docstring): same shapes, dtypes and bytes.
 
@@ -52,35 +63,21 @@ def tile_nvfp4(weight: np.ndarray, weight_scale: np.ndarray) -> tuple[np.ndarray
     ValueError
         The shapes or dtypes are not an NVFP4 weight's.
     """
-    n, k = _check(weight, weight_scale)
-    t = n // TILE_ROWS
-    rows = t * TILE_ROWS
-    packed = np.empty_like(weight, order="C")
-    scale = np.empty_like(weight_scale, order="C")
-    # [t, 16 rows, K/8 words, 4 bytes] -> [t, K/8 words, 16 rows, 4 bytes]
-    words = weight[:rows].reshape(t, TILE_ROWS, k // 8, 4).transpose(0, 2, 1, 3)
-    packed[:rows] = words.reshape(rows, k // 2)
-    packed[rows:] = weight[rows:]
-    blocks = weight_scale[:rows].reshape(t, TILE_ROWS, k // 16).transpose(0, 2, 1)
-    scale[:rows] = blocks.reshape(rows, k // 16)
-    scale[rows:] = weight_scale[rows:]
-    return packed, scale
+    _, k = _check(weight, weight_scale)
+    # Per tile: 32-bit words (8 inputs) of the 16 rows side by side; scale bytes likewise.
+    return (
+        _regroup(weight, k // 8, 4, to_tiles=True),
+        _regroup(weight_scale, k // 16, 1, to_tiles=True),
+    )
 
 
 def untile_nvfp4(weight: np.ndarray, weight_scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The row-major layout back from :func:`tile_nvfp4`'s (its inverse, bit for bit)."""
-    n, k = _check(weight, weight_scale)
-    t = n // TILE_ROWS
-    rows = t * TILE_ROWS
-    packed = np.empty_like(weight, order="C")
-    scale = np.empty_like(weight_scale, order="C")
-    words = weight[:rows].reshape(t, k // 8, TILE_ROWS, 4).transpose(0, 2, 1, 3)
-    packed[:rows] = words.reshape(rows, k // 2)
-    packed[rows:] = weight[rows:]
-    blocks = weight_scale[:rows].reshape(t, k // 16, TILE_ROWS).transpose(0, 2, 1)
-    scale[:rows] = blocks.reshape(rows, k // 16)
-    scale[rows:] = weight_scale[rows:]
-    return packed, scale
+    _, k = _check(weight, weight_scale)
+    return (
+        _regroup(weight, k // 8, 4, to_tiles=False),
+        _regroup(weight_scale, k // 16, 1, to_tiles=False),
+    )
 
 
 @functools.cache

@@ -487,14 +487,30 @@ def check_linear_nvfp4(
     W = nvfp4_dequantize(*packed)
     _, s, U, V = theta(rng, N, K, max(R, _min_rank(model)))
     y, y0, yb, W_op, Wt_bf16 = model(x, *packed, s, U, V)
-    r = U.shape[1]
     what = f"{model.device} linear_nvfp4 M={M} K={K} N={N}"
     for label, got, want in (("", W_op, W), (" bf16 transposed", Wt_bf16, round_bf16([W.T])[0])):
         if not np.array_equal(got, want):
             wrong = int(np.count_nonzero(got != want))
             raise AssertionError(f"{what}: nvfp4_dequantize{label} differs from numpy in {wrong}")
+    _close_nvfp4((y, y0, yb), x, W, s, U, V, what, report=report)
+
+
+def _close_nvfp4(
+    outputs: Sequence[np.ndarray],
+    x: np.ndarray,
+    W: np.ndarray,
+    s: np.ndarray,
+    U: np.ndarray,
+    V: np.ndarray,
+    what: str,
+    *,
+    report: Report | None = None,
+) -> None:
+    """The op, its plain form and its bfloat16 form against the float64 identity over ``W``."""
+    y, y0, yb = outputs
+    r = U.shape[1]
     close(y, apply(x, W, s, U, V), F32_RTOL, f"{what} r={r}", report=report)
-    plain = apply(x, W, np.ones(N, np.float32), U[:, :0], V[:, :0])
+    plain = apply(x, W, np.ones(W.shape[0], np.float32), U[:, :0], V[:, :0])
     close(y0, plain, F32_RTOL, f"{what} plain (s=U=V=None)", report=report)
     xb, sb, Ub, Vb = round_bf16([x, s, U, V])
     close(yb, apply(xb, W, sb, Ub, Vb), BF16_RTOL, f"{what} r={r} bf16", report=report)
@@ -536,10 +552,5 @@ def check_linear_nvfp4_tiled(model: OpModel, M: int, K: int, N: int, R: int, see
     weight, weight_scale, weight_scale_2 = nvfp4_random(rng, N, K)
     W = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
     _, s, U, V = theta(rng, N, K, R)
-    y, y0, yb = model(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
-    what = f"cpu linear_nvfp4_tiled M={M} K={K} N={N}"
-    close(y, apply(x, W, s, U, V), F32_RTOL, f"{what} r={R}")
-    plain = apply(x, W, np.ones(N, np.float32), U[:, :0], V[:, :0])
-    close(y0, plain, F32_RTOL, f"{what} plain (s=U=V=None)")
-    xb, sb, Ub, Vb = round_bf16([x, s, U, V])
-    close(yb, apply(xb, W, sb, Ub, Vb), BF16_RTOL, f"{what} r={R} bf16")
+    outputs = model(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
+    _close_nvfp4(outputs, x, W, s, U, V, f"cpu linear_nvfp4_tiled M={M} K={K} N={N}")

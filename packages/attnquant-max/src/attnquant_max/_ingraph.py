@@ -262,7 +262,7 @@ class ThetaLlama3Model(Llama3Model):
     """
 
     weight_bytes: int = 0
-    _tiled: int = 0  # id() of the state dict rewritten in the tiled NVFP4 layout
+    _tiled_state: Any = None  # the state dict already rewritten in the tiled NVFP4 layout
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
         head = HEAD_SCALE_2 in self.state_dict  # ATTNQUANT_QUANT_HEAD=1
@@ -293,9 +293,9 @@ class ThetaLlama3Model(Llama3Model):
             raise NotImplementedError(message)
 
     def _spec(self, model_config: Llama3Config, model: Llama3) -> GraphSpec:
-        if getattr(model, "nvfp4_tiled", False) and self._tiled != id(self.state_dict):
+        if getattr(model, "nvfp4_tiled", False) and self._tiled_state is not self.state_dict:
             count = _tile_state(self.state_dict)
-            self._tiled = id(self.state_dict)  # once per state, however often the spec is built
+            self._tiled_state = self.state_dict  # once per state, however often specs are built
             logger.info(
                 "NVFP4 on %s: %d packed weights rewritten at load in the tiled layout that "
                 "generated_linear_nvfp4_tiled reads (same bytes; each tile of 16 rows one "

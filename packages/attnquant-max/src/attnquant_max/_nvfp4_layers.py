@@ -456,11 +456,12 @@ def measure_nvfp4(
     seconds: dict[str, float] = {}
     outputs: dict[str, np.ndarray] = {}
     for name in ("fused", "dequantize"):
-        inputs = buffers(arrays)
+        values, label = arrays, name
         if name == "fused" and tiled:  # the same weight, in the layout the tiled op reads
-            inputs = buffers([arrays[0], *tile_nvfp4(arrays[1], arrays[2]), arrays[3]])
-        graph_name = f"aq_nvfp4_{name}{'_tiled' if tiled and name == 'fused' else ''}"
-        graph_name += f"_{out_dim}x{in_dim}"
+            values = [arrays[0], *tile_nvfp4(arrays[1], arrays[2]), arrays[3]]
+            label = "fused_tiled"
+        inputs = buffers(values)
+        graph_name = f"aq_nvfp4_{label}_{out_dim}x{in_dim}"
         with Graph(graph_name, input_types=types, custom_extensions=[kernels_path()]) as g:
             x, w, ws, ws2 = (v.tensor for v in g.inputs)
             if name == "fused":
