@@ -17,12 +17,16 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 * ``nvfp4+r16``: ``decompose --quant nvfp4 --rank 16`` (format v4), served in the graph as stored
   (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``): the packed ``W0``, ``s``, ``U``, ``V`` of each projection
   in one fused ``generated_linear_nvfp4`` dispatch;
-* ``nvfp4+head`` / ``nvfp4+r16+head``: the same with the output head in NVFP4 too
+* ``nvfp4+head`` / ``nvfp4+r16+head`` / ``budget 0.5 custom-op+head``: the same with the
+  output head in NVFP4 too
   (``ATTNQUANT_QUANT_HEAD=1``: one more fused dispatch a step, reading 4.5 bits a weight where
   the float32 head reads 32), as the GGUF rows hold theirs in 4 bits;
 * ``nvfp4 row-major`` / ``nvfp4+r16 row-major``: the same weights held in Model Optimizer's
   row-major layout, where the rows above are held in the tiled layout on an AVX-512 CPU
   (``generated_linear_nvfp4_tiled``): what the tiled layout buys, side by side;
+* ``nvfp4 per-member`` / ``nvfp4+head per-member``: q/k/v and gate/up one fused dispatch per
+  member and a concat, where the rows above merge each group's packed weights at load into one
+  dispatch (``NVFP4MergedLinear``): what merging buys, side by side;
 * ``gguf q4_0`` / ``gguf q4_k``: what a CPU user picks instead for 4-bit: the same weights
   written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
   (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served
@@ -59,15 +63,24 @@ VARIANTS = (
     "budget 0.5",
     "budget 0.7 custom-op",
     "budget 0.5 custom-op",
+    "budget 0.5 custom-op+head",
     "nvfp4",
     "nvfp4+r16",
     "nvfp4+head",
     "nvfp4+r16+head",
     "nvfp4 row-major",
     "nvfp4+r16 row-major",
+    "nvfp4 per-member",
+    "nvfp4+head per-member",
     "gguf q4_0",
     "gguf q4_k",
 )
+#: Variant suffixes that serve the same weights another way: the ``attnquant_max._ingraph``
+#: switch turned off during the load, and what the row says.
+LAYOUT_SUFFIXES = {
+    " row-major": ("nvfp4_tiled", "row-major layout"),
+    " per-member": ("_nvfp4_merged", "one dispatch per q/k/v and gate/up member"),
+}
 PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
 
 
@@ -94,7 +107,7 @@ def _head_bytes(shape: Any, variant: str | None) -> float | None:
     """Bytes of a head held apart from the embedding table (``None``: a tied head, the table
     itself): NVFP4 in the ``+head`` variants (``ATTNQUANT_QUANT_HEAD=1``: 4.5 bits a weight
     and the per-tensor scale; a tied head is then quantized from the table, which stays)."""
-    if (variant or "").endswith("+head"):
+    if "+head" in (variant or ""):
         return shape.vocab * shape.hidden * 9 / 16 + 4
     return None if shape.tie_embeddings else _table_bytes(shape, variant)
 
@@ -160,9 +173,10 @@ def prepare(
         return out, {"precompute_outside": False, "gemm": not op}, how
     # The fused op named, not timed at start-up (ATTNQUANT_NVFP4_KERNEL=auto): every run of
     # this benchmark serves the same graph.
-    if variant.endswith(" row-major"):
-        path, overrides, how = prepare(variant.removesuffix(" row-major"), base_dir, work, shape)
-        return path, overrides, how + " (row-major layout)"
+    for suffix, (_, said) in LAYOUT_SUFFIXES.items():
+        if variant.endswith(suffix):
+            path, overrides, how = prepare(variant.removesuffix(suffix), base_dir, work, shape)
+            return path, overrides, f"{how} ({said})"
     if variant.endswith("+head"):
         path, overrides, how = prepare(variant.removesuffix("+head"), base_dir, work, shape)
         return path, {**overrides, "quant_head": True}, how + "; head NVFP4 too"
@@ -199,9 +213,10 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
         return _stock_loaded(path, gguf, max_length=common["max_length"], encoding=quant), how
     import attnquant_max._ingraph as ingraph
 
-    tiled = ingraph.nvfp4_tiled
-    if variant.endswith(" row-major"):  # the graph is built during the load
-        ingraph.nvfp4_tiled = lambda device: False  # type: ignore[assignment]
+    saved = {name: getattr(ingraph, name) for name, _ in LAYOUT_SUFFIXES.values()}
+    for suffix, (name, _) in LAYOUT_SUFFIXES.items():
+        if variant.endswith(suffix):  # the graph is built during the load
+            setattr(ingraph, name, lambda *args: False)
     try:
         return load_pipeline(path, config=replace(AttnquantConfig(), **overrides), **common), how
     except NotImplementedError as exc:
@@ -211,7 +226,8 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
         loaded = load_pipeline(path, config=AttnquantConfig(), **common)
         return loaded, f"precompute-outside (in-graph refused: {reason})"
     finally:
-        ingraph.nvfp4_tiled = tiled  # type: ignore[assignment]
+        for name, value in saved.items():
+            setattr(ingraph, name, value)
 
 
 def main() -> None:

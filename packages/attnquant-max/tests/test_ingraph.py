@@ -37,8 +37,9 @@ from attnquant_max import (
     logit_parity,
 )
 from attnquant_max._layout import FUSED_GROUPS
+from attnquant_max.testing import VOCAB
 
-from .conftest import LAYERS, load_tiny
+from .conftest import HIDDEN, LAYERS, load_tiny
 
 # One xdist group per path (conftest.py): the three paths compile on two workers side by side.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemm")]
@@ -244,6 +245,28 @@ def test_budget_checkpoint_on_the_custom_op_runs_one_dispatch_per_projection(
     assert sum(count_matmuls(graph).values()) == 1 + kinds.count("dense")  # 1: the LM head
     for key in (k for k in text.split('"') if k.endswith(".basis")):
         assert text.count(f'"{key}"') == 1, key
+
+
+def test_budget_checkpoint_with_an_nvfp4_head_runs_the_head_fused(tiny_budget: Path) -> None:
+    """Traced: ``ATTNQUANT_QUANT_HEAD=1`` beside a budget fit's float forms on the custom op.
+    The head becomes one fused NVFP4 dispatch (the LM head's matmul gone), every projection
+    runs as without it, and the bytes held are the checkpoint's with the float32 head replaced
+    by its 4.5 bits per weight."""
+    from attnquant_kernels.layout import cpu_prefers_tiled
+    from attnquant_max.testing import gemm_weight_bytes
+
+    op = f'"generated_linear_nvfp4{"_tiled" if cpu_prefers_tiled() else ""}"'
+    head = dataclasses.replace(CUSTOM, quant_head=True, nvfp4_kernel="fused")
+    with load_tiny(tiny_budget) as outside:
+        plain, _ = decoder_graph(outside, CUSTOM)
+        graph, nbytes = decoder_graph(outside, head)
+    text, before = str(graph), str(plain)
+    assert text.count(op) == 1 and op not in before
+    assert _custom_ops(text) == _custom_ops(before)
+    assert sum(count_matmuls(graph).values()) == sum(count_matmuls(plain).values()) - 1
+    float_head = VOCAB * HIDDEN * 4
+    packed_head = VOCAB * HIDDEN // 2 + VOCAB * HIDDEN // 16 + 4
+    assert nbytes == gemm_weight_bytes(tiny_budget) - float_head + packed_head
 
 
 @pytest.mark.xdist_group("custom-budget")

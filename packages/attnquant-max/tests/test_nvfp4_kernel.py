@@ -51,7 +51,8 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     tiny_dense: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``ATTNQUANT_QUANT=nvfp4`` with every projection and the head
-    (``ATTNQUANT_QUANT_HEAD=1``) a ``generated_linear_nvfp4`` dispatch.
+    (``ATTNQUANT_QUANT_HEAD=1``) in ``generated_linear_nvfp4`` dispatches: q/k/v and gate/up
+    one each over their merged weights (float32), o, down and the head one each.
 
     The start-up measurement (:func:`attnquant_max._nvfp4_layers.nvfp4_fused`) picks the
     faster form, which on the tiny model's 128x64 projections can be either; here the fused
@@ -81,10 +82,15 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     tensors["lm_head.weight"] = dequantize_nvfp4(quantize_nvfp4(tensors["lm_head.weight"]))
     reference_dir = write_tiny_llama(tmp_path / "dequantized", tensors)
     fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True)
+    qkv = sum(PROJECTIONS[f"self_attn.{p}_proj"][0] for p in "qkv")
+    gate_up = sum(PROJECTIONS[f"mlp.{p}_proj"][0] for p in ("gate", "up"))
     with load_tiny(tiny_dense, fused) as model, load_tiny(reference_dir) as reference:
-        per_forward = LAYERS * len(PROJECTIONS) + 1  # every projection and the head
+        # float32: q/k/v and gate/up one merged dispatch each, o, down and the head one each
+        per_forward = LAYERS * (len(PROJECTIONS) - 3) + 1
         assert calls and len(calls) % per_forward == 0
-        assert calls.count((VOCAB, HIDDEN)) == len(calls) // per_forward
+        forwards = len(calls) // per_forward
+        assert calls.count((VOCAB, HIDDEN)) == forwards
+        assert calls.count((qkv, HIDDEN)) == calls.count((gate_up, HIDDEN)) == LAYERS * forwards
         long = "The quick brown fox jumps over the lazy dog."
         assert 16 <= len(reference.encode(long)) <= 64 - 8  # the op's panel GEMM from 16 rows
         assert_serves_like(model, reference, [*PROMPTS, long])

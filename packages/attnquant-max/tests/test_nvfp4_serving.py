@@ -23,7 +23,7 @@ from attnquant_max._nvfp4 import (
     quantize_nvfp4,
 )
 from attnquant_max._nvfp4_layers import E2M1_PAIR_TABLE
-from attnquant_max._weights import plan_serving
+from attnquant_max._weights import NVFP4_HEAD, plan_serving
 
 from .conftest import LAYERS, PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
 
@@ -132,15 +132,32 @@ def test_a_tied_head_is_quantized_from_the_embedding_table(tmp_path: Path) -> No
     np.testing.assert_array_equal(state["lm_head.weight_scale"], q.weight_scale.view(np.uint8))
 
 
-def test_quant_head_without_nvfp4_projections_is_refused(tiny_dense: Path) -> None:
-    for config in (
-        AttnquantConfig(quant_head=True),
-        AttnquantConfig(quant_head=True, precompute_outside=False),
+def test_quant_head_in_the_stock_graph_is_refused(tiny_dense: Path) -> None:
+    """Precompute-outside without ``ATTNQUANT_QUANT`` serves MAX's stock graph: no NVFP4 head."""
+    with pytest.raises(
+        NotImplementedError, match=r"ATTNQUANT_QUANT_HEAD=1.*ATTNQUANT_PRECOMPUTE_OUTSIDE=0"
     ):
-        with pytest.raises(
-            NotImplementedError, match=r"ATTNQUANT_QUANT_HEAD=1.*ATTNQUANT_QUANT=nvfp4"
-        ):
-            plan_serving(tiny_dense, config)
+        plan_serving(tiny_dense, AttnquantConfig(quant_head=True))
+
+
+def test_quant_head_on_an_in_graph_path_quantizes_the_head_beside_float_theta(
+    tiny_dense: Path,
+) -> None:
+    """In the graph the head is NVFP4 beside float forms too: the theta state's head is the
+    reference quantizer's three tensors, the projections' theta tensors float as without it."""
+    config = AttnquantConfig(quant_head=True, precompute_outside=False, gemm=False)
+    plan = plan_serving(tiny_dense, config)
+    assert plan.head_nvfp4 and plan.describe().endswith(NVFP4_HEAD)
+    state = dict(plan.theta_state())
+    without = dict(plan_serving(tiny_dense, replace(config, quant_head=False)).theta_state())
+    q = quantize_nvfp4(tiny_llama_tensors()["lm_head.weight"], name="lm_head.weight")
+    np.testing.assert_array_equal(state.pop("lm_head.weight"), q.weight)
+    np.testing.assert_array_equal(state.pop("lm_head.weight_scale"), q.weight_scale.view(np.uint8))
+    np.testing.assert_array_equal(state.pop("lm_head.weight_scale_2"), q.weight_scale_2.reshape(1))
+    del without["lm_head.weight"]
+    assert state.keys() == without.keys()
+    for key, array in state.items():
+        np.testing.assert_array_equal(array, without[key], err_msg=key)
 
 
 def test_tile_state_rewrites_every_nvfp4_weight_once_in_the_tiled_layout() -> None:
@@ -174,6 +191,73 @@ def test_tile_state_rewrites_every_nvfp4_weight_once_in_the_tiled_layout() -> No
         assert state[packed].name == packed
     for key in ("layers.0.mlp.down_proj.weight_scale_2", "norm.weight"):
         np.testing.assert_array_equal(got[key], arrays[key])
+
+
+def test_merge_state_holds_qkv_and_gate_up_as_one_weight_each() -> None:
+    """The state a fused float32 model loads: each layer's q/k/v and gate/up packed rows and
+    scale bytes concatenated in order, their per-tensor scales a float32 row scale, the merged
+    per-tensor scale 1; every other tensor untouched. The merged weight dequantizes to the
+    members' weights stacked."""
+    from max.graph.weights import WeightData
+
+    from attnquant_kernels.testing import nvfp4_dequantize, nvfp4_random
+    from attnquant_max._ingraph import GATE_UP, QKV, _merge_state
+
+    rng = np.random.default_rng(0)
+    rows = {"self_attn.q_proj": 32, "self_attn.k_proj": 16, "self_attn.v_proj": 16}
+    rows |= {"mlp.gate_proj": 48, "mlp.up_proj": 48, "mlp.down_proj": 32}
+    arrays: dict[str, np.ndarray] = {"norm.weight": rng.standard_normal(32).astype(np.float32)}
+    for layer in range(2):
+        for family, n in rows.items():
+            w, ws, _ = nvfp4_random(rng, n, 32)
+            prefix = f"layers.{layer}.{family}.weight"
+            arrays |= {prefix: w, f"{prefix}_scale": ws}
+            arrays[f"{prefix}_scale_2"] = rng.uniform(0.01, 1.0, 1).astype(np.float32)
+    state = {k: WeightData.from_numpy(a, k) for k, a in arrays.items()}
+    assert _merge_state(state) == 4
+    got = {k: np.from_dlpack(v) for k, v in state.items()}
+    for layer in range(2):
+        for target, families in (("self_attn.qkv_proj", QKV), ("mlp.gate_up_proj", GATE_UP)):
+            prefixes = [f"layers.{layer}.{f}.weight" for f in families]
+            assert not any(p in got for p in prefixes)
+            m = f"layers.{layer}.{target}."
+            for suffix, part in (("weight", ""), ("weight_scale", "_scale")):
+                want = np.concatenate([arrays[p + part] for p in prefixes])
+                np.testing.assert_array_equal(got[m + suffix], want)
+            np.testing.assert_array_equal(got[m + "weight_scale_2"], np.ones(1, np.float32))
+            s = got[m + "theta_s"]
+            assert s.dtype == np.float32
+            np.testing.assert_array_equal(
+                s,
+                np.concatenate(
+                    [
+                        np.repeat(arrays[p + "_scale_2"], rows[f])
+                        for p, f in zip(prefixes, families, strict=True)
+                    ]
+                ),
+            )
+            members = [
+                nvfp4_dequantize(arrays[p], arrays[p + "_scale"], arrays[p + "_scale_2"])
+                for p in prefixes
+            ]
+            merged = s[:, None] * nvfp4_dequantize(
+                got[m + "weight"], got[m + "weight_scale"], got[m + "weight_scale_2"]
+            )
+            np.testing.assert_allclose(merged, np.concatenate(members), rtol=1e-6, atol=0)
+            assert state[m + "theta_s"].name == m + "theta_s"
+        down = f"layers.{layer}.mlp.down_proj.weight"
+        np.testing.assert_array_equal(got[down], arrays[down])
+    np.testing.assert_array_equal(got["norm.weight"], arrays["norm.weight"])
+
+
+def test_merged_layer_refuses_a_bfloat16_row_scale() -> None:
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from attnquant_max._nvfp4_layers import NVFP4MergedLinear
+
+    with pytest.raises(ValueError, match="float32 activations only"):
+        NVFP4MergedLinear(32, [16, 16], dtype=DType.bfloat16, device=DeviceRef.CPU())
 
 
 # The NVFP4 linears in a graph (a stacked pair and a lone one, against x @ dequantize(q).T) are

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from max.dtype import DType
 from max.graph import Graph
 from max.pipelines.architectures.llama3.llama3 import Llama3
 from max.pipelines.architectures.llama3.model import Llama3Model
@@ -44,7 +45,14 @@ from attnquant_kernels.layout import tile_nvfp4
 from ._config import serving_path
 from ._layers import ThetaBuilder, ThetaMLP
 from ._layout import InGraphLayout
-from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, nvfp4_fused, nvfp4_tiled
+from ._nvfp4_layers import (
+    NVFP4Linear,
+    NVFP4MergedLinear,
+    NVFP4StackedLinear,
+    merge_nvfp4,
+    nvfp4_fused,
+    nvfp4_tiled,
+)
 from ._weights import config_override, current_config
 
 __all__ = [
@@ -119,7 +127,9 @@ class ThetaLlama3(Llama3):
                     f"config asks for {[shapes.get(f) for f in wrong]}"
                 )
             fused = _nvfp4_kernel_fused(config.devices[0], shapes)
-            self.needs_kernels = fused
+        elif head:  # the head alone in NVFP4, beside float forms: the same choice
+            fused = _nvfp4_kernel_fused(config.devices[0], shapes)
+        self.needs_kernels = fused
         self.nvfp4_tiled = fused and nvfp4_tiled(config.devices[0])
         builder = ThetaBuilder(
             layout,
@@ -137,8 +147,6 @@ class ThetaLlama3(Llama3):
         self.attnquant_blocks = builder.bank
         self.layout = layout
         if head:
-            if not layout.nvfp4:
-                raise ValueError("an NVFP4 head is served beside NVFP4 W0 families only")
             _nvfp4_head(self, config, fused=fused, tiled=self.nvfp4_tiled)
 
 
@@ -146,10 +154,13 @@ class NVFP4Llama3(Llama3):
     """The stock single-device Llama3 with NVFP4 projections: dequantized in the graph, or
     fused ``generated_linear_nvfp4`` dispatches, whichever was faster at start-up (logged).
 
-    ``self_attn.qkv_proj`` and ``mlp.gate_proj``/``up_proj`` stay one matmul each over
-    the concatenated dequantized weights, as in the stock model; weight names are the
-    stock ones plus ``weight_scale`` and ``weight_scale_2`` per projection
-    (:mod:`attnquant_max._nvfp4_layers`).
+    Dequantized, ``self_attn.qkv_proj`` and ``mlp.gate_proj``/``up_proj`` stay one matmul each
+    over the concatenated dequantized weights, as in the stock model; weight names are the stock
+    ones plus ``weight_scale`` and ``weight_scale_2`` per projection
+    (:mod:`attnquant_max._nvfp4_layers`). Fused in float32 (the CPU), each of the two is one
+    dispatch over the members' packed weights concatenated at load
+    (:class:`~attnquant_max._nvfp4_layers.NVFP4MergedLinear`: ``self_attn.qkv_proj.*`` and
+    ``mlp.gate_up_proj.*``, written by :func:`_merge_state`); fused in bfloat16, one each.
     """
 
     def __init__(self, config: Llama3Config, *, head: bool = False) -> None:
@@ -160,6 +171,7 @@ class NVFP4Llama3(Llama3):
         fused = _nvfp4_kernel_fused(device, shapes)
         self.needs_kernels = fused
         self.nvfp4_tiled = tiled = fused and nvfp4_tiled(device)
+        self.nvfp4_merged = merged = fused and _nvfp4_merged(dtype)
 
         def linear(family: str) -> NVFP4Linear:
             out_dim, in_dim = shapes[family]
@@ -167,16 +179,71 @@ class NVFP4Llama3(Llama3):
                 in_dim, out_dim, dtype=dtype, device=device, fused=fused, tiled=tiled
             )
 
+        def stacked(families: tuple[str, ...]) -> NVFP4MergedLinear | NVFP4StackedLinear:
+            if merged:
+                out_dims = [shapes[f][0] for f in families]
+                in_dim = shapes[families[0]][1]
+                return NVFP4MergedLinear(
+                    in_dim, out_dims, dtype=dtype, device=device, fused=True, tiled=tiled
+                )
+            names = [f.split(".")[-1] for f in families]
+            return NVFP4StackedLinear([linear(f) for f in families], names)
+
         for block in self.layers:
-            qkv = NVFP4StackedLinear([linear(f) for f in QKV], ["q_proj", "k_proj", "v_proj"])
-            block.self_attn.replace_module("qkv_proj", qkv)
+            block.self_attn.replace_module("qkv_proj", stacked(QKV))
             block.self_attn.replace_module("o_proj", linear("self_attn.o_proj"))
-            gate_up = NVFP4StackedLinear(
-                [linear("mlp.gate_proj"), linear("mlp.up_proj")], ["gate_proj", "up_proj"]
-            )
-            block.replace_module("mlp", ThetaMLP(gate_up, linear("mlp.down_proj")))  # type: ignore[arg-type]
+            mlp = ThetaMLP(stacked(GATE_UP), linear("mlp.down_proj"))  # type: ignore[arg-type]
+            block.replace_module("mlp", mlp)
         if head:
             _nvfp4_head(self, config, fused=fused, tiled=tiled)
+
+
+def _nvfp4_merged(dtype: Any) -> bool:
+    """Whether fused NVFP4 q/k/v and gate/up run as one dispatch each
+    (:class:`~attnquant_max._nvfp4_layers.NVFP4MergedLinear`): in float32 activations."""
+    return dtype == DType.float32
+
+
+#: The merged NVFP4 projections of a layer (:class:`NVFP4Llama3`, fused, float32): MAX's name of
+#: the merged module, and its members in order.
+MERGED = {"self_attn.qkv_proj": QKV, "mlp.gate_up_proj": GATE_UP}
+
+_MERGED_MEMBER = re.compile(
+    r"^layers\.(\d+)\.("
+    + "|".join(re.escape(f) for g in MERGED.values() for f in g)
+    + r")\.weight$"
+)
+
+
+#: The tensors of a merged projection, in :func:`merge_nvfp4`'s order.
+MERGED_NAMES = ("weight", "weight_scale", "weight_scale_2", "theta_s")
+
+
+def _merge_state(state: dict[str, Any]) -> int:
+    """Replace, in place, each layer's q/k/v and gate/up NVFP4 tensors of ``state``
+    (``.weight``, ``.weight_scale``, ``.weight_scale_2``) by the tensors of one merged
+    projection each (:func:`~attnquant_max._nvfp4_layers.merge_nvfp4`: the same packed bytes
+    and scales, a float32 row scale for the per-tensor scales); the number of merged
+    projections written. Row-major bytes: runs before :func:`_tile_state`."""
+    import numpy as np
+    from max.graph.weights import WeightData
+
+    layers = sorted({int(m.group(1)) for k in state if (m := _MERGED_MEMBER.match(k))})
+    count = 0
+    for i in layers:
+        for target, families in MERGED.items():
+            prefixes = [f"layers.{i}.{f}" for f in families]
+            keys = [[f"{p}.weight{t}" for t in ("", "_scale", "_scale_2")] for p in prefixes]
+            missing = [k for group in keys for k in group if k not in state]
+            if missing:
+                raise ValueError(f"NVFP4 state of layer {i}: no {', '.join(missing)}")
+            members = [tuple(np.from_dlpack(state.pop(k)) for k in group) for group in keys]
+            merged = merge_nvfp4(members)  # type: ignore[arg-type]
+            names = [f"layers.{i}.{target}.{t}" for t in MERGED_NAMES]
+            for name, array in zip(names, merged, strict=True):
+                state[name] = WeightData.from_numpy(np.ascontiguousarray(array), name)
+            count += 1
+    return count
 
 
 def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool, tiled: bool) -> None:
@@ -262,7 +329,7 @@ class ThetaLlama3Model(Llama3Model):
     """
 
     weight_bytes: int = 0
-    _tiled_state: Any = None  # the state dict already rewritten in the tiled NVFP4 layout
+    _prepared_state: Any = None  # the state dict already merged and tiled for the fused op
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
         head = HEAD_SCALE_2 in self.state_dict  # ATTNQUANT_QUANT_HEAD=1
@@ -288,21 +355,36 @@ class ThetaLlama3Model(Llama3Model):
         self.weight_bytes = _nbytes(specs[GraphRole.DECODER].weights_registry())
         return specs
 
+    def _prepare_state(self, model_config: Llama3Config, model: Llama3) -> None:
+        """Rewrite the state for the fused NVFP4 op, in place, as ``model`` reads it: q/k/v and
+        gate/up merged (:func:`_merge_state`), then every packed weight tiled (:func:`_tile_state`)."""
+        device = model_config.devices[0]
+        if getattr(model, "nvfp4_merged", False):
+            count = _merge_state(self.state_dict)
+            logger.info(
+                "NVFP4 on %s: q/k/v and gate/up of %d layers merged at load into one fused "
+                "dispatch each (same packed bytes; per-tensor scales as a float32 row scale)",
+                device,
+                count // len(MERGED),
+            )
+        if getattr(model, "nvfp4_tiled", False):
+            count = _tile_state(self.state_dict)
+            logger.info(
+                "NVFP4 on %s: %d packed weights rewritten at load in the tiled layout that "
+                "generated_linear_nvfp4_tiled reads (same bytes; each tile of 16 rows one "
+                "stream)",
+                device,
+                count,
+            )
+
     def _single_device(self, message: str, model_config: Any) -> None:
         if model_config.data_parallel_degree > 1 or len(self.devices) > 1:
             raise NotImplementedError(message)
 
     def _spec(self, model_config: Llama3Config, model: Llama3) -> GraphSpec:
-        if getattr(model, "nvfp4_tiled", False) and self._tiled_state is not self.state_dict:
-            count = _tile_state(self.state_dict)
-            self._tiled_state = self.state_dict  # once per state, however often specs are built
-            logger.info(
-                "NVFP4 on %s: %d packed weights rewritten at load in the tiled layout that "
-                "generated_linear_nvfp4_tiled reads (same bytes; each tile of 16 rows one "
-                "stream)",
-                model_config.devices[0],
-                count,
-            )
+        if self._prepared_state is not self.state_dict:
+            self._prepare_state(model_config, model)
+            self._prepared_state = self.state_dict  # once per state, however often specs are built
         model.load_state_dict(
             self.state_dict, override_quantization_encoding=True, weight_alignment=1, strict=True
         )

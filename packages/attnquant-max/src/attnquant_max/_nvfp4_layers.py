@@ -39,6 +39,12 @@ weight and its scales at load with :func:`attnquant_kernels.layout.tile_nvfp4`, 
 in the same shapes with each tile of 16 rows transposed, so a decode step reads one contiguous
 stream per tile (1.24-1.37x the row-major op's speed at one row, standalone).
 
+Fused in float32, projections of one input (q/k/v, gate/up) are one dispatch each: the model's
+owner concatenates their packed rows and scales at load (:func:`merge_nvfp4`) and
+:class:`NVFP4MergedLinear` carries their differing per-tensor scales as a row scale, where
+:class:`NVFP4StackedLinear` runs one dispatch per member and a concat (bfloat16, whose row
+scale would round them).
+
 The same layer serves a theta checkpoint whose ``W0`` is stored in NVFP4 (format version 4)
 in the graph: ``theta=True`` adds the layer's ``theta_s`` (and, at ``rank > 0``, ``theta_U``,
 ``theta_V``), and ``band`` hands it the three packed tensors of its band, owned once per band
@@ -73,9 +79,11 @@ __all__ = [
     "E2M1_PAIR_TABLE",
     "NVFP4Band",
     "NVFP4Linear",
+    "NVFP4MergedLinear",
     "NVFP4StackedLinear",
     "dequantize_in_graph",
     "measure_nvfp4",
+    "merge_nvfp4",
     "nvfp4_fused",
     "nvfp4_tiled",
     "packed_specs",
@@ -407,6 +415,58 @@ class NVFP4StackedLinear(Module):
             outs.append(m.finish(h[..., start : start + m.out_dim], x))
             start += m.out_dim
         return ops.concat(outs, axis=-1)
+
+
+class NVFP4MergedLinear(NVFP4Linear):
+    """Projections of one input (q/k/v, gate/up) held as one NVFP4 weight: one fused dispatch a
+    forward where :class:`NVFP4StackedLinear` runs one per member and a concat.
+
+    The members' packed rows and block scales are concatenated at load (:func:`merge_nvfp4`);
+    their per-tensor scales, which differ, become a float32 row scale ``theta_s`` (each member's
+    ``weight_scale_2`` on its rows) and the merged ``weight_scale_2`` is 1, so ``y = s * (x W^T)``
+    is the members' outputs side by side. Float32 activations only: a bfloat16 row scale would
+    round the per-tensor scales. ``out_dims`` are the members' sizes (a stacked layer's).
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dims: Sequence[int],
+        *,
+        dtype: DType,
+        device: DeviceRef,
+        fused: bool = False,
+        tiled: bool = False,
+    ) -> None:
+        if dtype != DType.float32:
+            raise ValueError(
+                f"NVFP4MergedLinear: float32 activations only (got {dtype}); a {dtype} row scale "
+                "would round the members' per-tensor scales"
+            )
+        super().__init__(
+            in_dim, sum(out_dims), dtype=dtype, device=device, fused=fused, theta=True, tiled=tiled
+        )
+        self.out_dims = list(out_dims)
+
+
+def merge_nvfp4(
+    members: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The tensors of :class:`NVFP4MergedLinear` from its members' ``(weight, weight_scale,
+    weight_scale_2)``: ``(weight, weight_scale, weight_scale_2 = [1], theta_s)``, the packed rows
+    and scale bytes concatenated in order, ``theta_s`` float32 with each member's per-tensor
+    scale on its rows. Row-major bytes (merge before tiling)."""
+    if not members:
+        raise ValueError("merge_nvfp4 needs at least one member")
+    widths = {(w.shape[1], ws.shape[1]) for w, ws, _ in members}
+    if len(widths) != 1:
+        raise ValueError(f"merge_nvfp4: members of different input sizes ({sorted(widths)})")
+    weight = np.concatenate([w for w, _, _ in members], axis=0)
+    weight_scale = np.concatenate([ws for _, ws, _ in members], axis=0)
+    row_scale = np.concatenate(
+        [np.full(w.shape[0], np.asarray(ws2, np.float32).reshape(-1)[0]) for w, _, ws2 in members]
+    ).astype(np.float32)
+    return weight, weight_scale, np.ones(1, np.float32), row_scale
 
 
 def nvfp4_tiled(device: DeviceRef) -> bool:

@@ -247,8 +247,9 @@ class ServingPlan:
     @property
     def head_nvfp4(self) -> bool:
         """Whether the output head is quantized to NVFP4 at load (``ATTNQUANT_QUANT_HEAD=1``
-        beside NVFP4 projections: :attr:`quantized` or :attr:`nvfp4_w0`)."""
-        return self.config.quant_head and (self.quantized or self.nvfp4_w0)
+        beside NVFP4 projections, :attr:`quantized` or :attr:`nvfp4_w0`, or on an in-graph
+        path, :attr:`in_graph`)."""
+        return self.config.quant_head and (self.quantized or self.nvfp4_w0 or self.in_graph)
 
     @property
     def in_graph(self) -> bool:
@@ -310,7 +311,7 @@ class ServingPlan:
             return (
                 f"attnquant: serving {where} on the {PATH_DESCRIPTIONS[self.path]}; {fused}; "
                 f"theta from {how}, G={g}, r={self.rank}, L={self.num_layers}; "
-                f"chosen by {self._why()}"
+                f"chosen by {self._why()}" + (f"; {NVFP4_HEAD}" if self.head_nvfp4 else "")
             )
         line = (
             f"attnquant: serving {where} on the precompute-outside path: W_eff = s*W0 + U V^T "
@@ -525,11 +526,16 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
     config = current_config() if config is None else config
     path = Path(model_path)
     nvfp4 = _nvfp4_families(path)
-    if config.quant_head and config.quant is None and not (nvfp4 and not config.precompute_outside):
+    if (
+        config.quant_head
+        and config.quant is None
+        and serving_path(config, "cpu") == ("precompute-outside")
+    ):
         raise NotImplementedError(
             f"{path}: ATTNQUANT_QUANT_HEAD=1 puts the output head in NVFP4 beside NVFP4 "
-            "projections: set ATTNQUANT_QUANT=nvfp4, or serve a checkpoint whose W0 is NVFP4 "
-            "in the graph (ATTNQUANT_PRECOMPUTE_OUTSIDE=0); or unset ATTNQUANT_QUANT_HEAD"
+            "projections (ATTNQUANT_QUANT=nvfp4) or on the in-graph paths "
+            "(ATTNQUANT_PRECOMPUTE_OUTSIDE=0), not in the stock graph of precompute-outside: "
+            "set one of those, or unset ATTNQUANT_QUANT_HEAD"
         )
     if nvfp4 and (config.quant is not None or config.precompute or not config.precompute_outside):
         return _plan_nvfp4_w0(path, config, nvfp4)
