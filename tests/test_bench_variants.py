@@ -1,0 +1,78 @@
+"""What each row of ``benchmarks/bench_compressed.py`` serves: its checkpoint and config.
+
+A suffix names the same weights served another way ("+head": the head in NVFP4; "row-major",
+"per-member": a layout or dispatch switch turned off), so a suffix must reach every row it
+can follow, a budget row's too. No checkpoint is written: the budget and NVFP4 + r16 rows find
+theirs already in the work folder.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_compressed
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    for name in ("budget_0.5", "nvfp4_r16"):
+        (tmp_path / name).mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("variant", "path", "overrides"),
+    [
+        ("budget 0.5", "budget_0.5", {"precompute_outside": False, "gemm": True}),
+        ("budget 0.5 custom-op", "budget_0.5", {"precompute_outside": False, "gemm": False}),
+        (
+            "budget 0.5 custom-op+head",
+            "budget_0.5",
+            {
+                "precompute_outside": False,
+                "gemm": False,
+                "quant_head": True,
+                "nvfp4_kernel": "fused",
+            },
+        ),
+        ("nvfp4", "base", {"quant": "nvfp4", "nvfp4_kernel": "fused"}),
+        (
+            "nvfp4+head per-member",
+            "base",
+            {"quant": "nvfp4", "nvfp4_kernel": "fused", "quant_head": True},
+        ),
+        (
+            "nvfp4+r16 row-major",
+            "nvfp4_r16",
+            {"precompute_outside": False, "nvfp4_kernel": "fused"},
+        ),
+    ],
+)
+def test_every_variant_serves_its_checkpoint_and_config(
+    work: Path, variant: str, path: str, overrides: dict
+) -> None:
+    assert variant in bench_compressed.VARIANTS
+    base = work / "base"
+    got_path, got, how = bench_compressed.prepare(variant, base, work, shape=None)
+    assert got_path == (base if path == "base" else work / path)
+    assert got == overrides
+    if variant.endswith("+head") or "+head " in variant:
+        assert "head NVFP4 too" in how
+    for suffix, (_, said) in bench_compressed.LAYOUT_SUFFIXES.items():
+        assert (said in how) == variant.endswith(suffix)
+
+
+def test_head_bytes_count_a_suffixed_head_variant() -> None:
+    """The roofline's head bytes: NVFP4 for every "+head" row, a suffix after it too."""
+    from synthetic_llama import SHAPES
+
+    shape = SHAPES["300m"]
+    nvfp4_head = shape.vocab * shape.hidden * 9 / 16 + 4
+    for variant in ("nvfp4+head", "nvfp4+head per-member", "budget 0.5 custom-op+head"):
+        assert bench_compressed._head_bytes(shape, variant) == nvfp4_head
+    assert bench_compressed._head_bytes(shape, "nvfp4") == shape.vocab * shape.hidden * 4
