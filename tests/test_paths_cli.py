@@ -91,8 +91,12 @@ def test_verify_nvfp4_reports_real_numbers(tiny, tmp_path, capsys, monkeypatch, 
     assert 0.0 < report["max_abs_logprob_delta"] < float("inf")  # the quantized path ran
     assert 0.0 <= report["agreement"] <= 1.0
     assert code == (0 if report["native_equivalent"] else 1)
-    # Every projection: 4 B per float32 -> 0.5 B code + 1/16 B scale + 4 B per tensor.
+    # Every projection: 4 B per float32 -> 0.5 B code + 1/16 B scale; 4 B per tensor, and fused
+    # in float32 q/k/v and gate/up are one tensor each with a 4 B row scale (NVFP4MergedLinear).
     elements = LAYERS * sum(o * i for o, i in PROJECTIONS.values())
-    packed = elements // 2 + elements // 16 + 4 * LAYERS * len(PROJECTIONS)
+    merged = [f"self_attn.{p}_proj" for p in "qkv"] + ["mlp.gate_proj", "mlp.up_proj"]
+    rows = sum(PROJECTIONS[f][0] for f in merged)
+    per_tensor = len(PROJECTIONS) - len(merged) + 2
+    packed = elements // 2 + elements // 16 + 4 * LAYERS * (per_tensor + rows)
     assert report["base_weight_bytes"] - report["theta_weight_bytes"] == 4 * elements - packed
     assert "weights held" in text
