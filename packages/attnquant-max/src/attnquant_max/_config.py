@@ -174,8 +174,8 @@ class AttnquantConfig:
     quant_head : bool
         ``ATTNQUANT_QUANT_HEAD``: the output head in NVFP4 too, beside NVFP4 projections
         (``ATTNQUANT_QUANT=nvfp4``) or on an in-graph path (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``,
-        any theta checkpoint: a budget fit's float forms too); off by default, as in Model Optimizer's NVFP4 checkpoints, which keep ``lm_head`` in
-        full precision. A tied head is quantized from the embedding table, which stays float.
+        any theta checkpoint: a budget fit's float forms too); off by default, as in Model
+        Optimizer's NVFP4 checkpoints, which keep ``lm_head`` in full precision. A tied head is quantized from the embedding table, which stays float.
     """
 
     blocks: int | Passthrough | None = None

@@ -118,7 +118,6 @@ class ThetaLlama3(Llama3):
         )
         super().__init__(config)
         shapes = _shapes(config)
-        fused = False
         if layout.nvfp4:
             wrong = {f: s for f, s in layout.nvfp4_shapes.items() if s != shapes.get(f)}
             if wrong:
@@ -126,9 +125,8 @@ class ThetaLlama3(Llama3):
                     f"the NVFP4 W0 of {', '.join(wrong)} is {list(wrong.values())}, the model's "
                     f"config asks for {[shapes.get(f) for f in wrong]}"
                 )
-            fused = _nvfp4_kernel_fused(config.devices[0], shapes)
-        elif head:  # the head alone in NVFP4, beside float forms: the same choice
-            fused = _nvfp4_kernel_fused(config.devices[0], shapes)
+        # NVFP4 bands, or the head alone in NVFP4 beside float forms: one choice for both.
+        fused = (layout.nvfp4 or head) and _nvfp4_kernel_fused(config.devices[0], shapes)
         self.needs_kernels = fused
         self.nvfp4_tiled = fused and nvfp4_tiled(config.devices[0])
         builder = ThetaBuilder(

@@ -526,11 +526,8 @@ def plan_serving(model_path: str | Path, config: AttnquantConfig | None = None) 
     config = current_config() if config is None else config
     path = Path(model_path)
     nvfp4 = _nvfp4_families(path)
-    if (
-        config.quant_head
-        and config.quant is None
-        and serving_path(config, "cpu") == ("precompute-outside")
-    ):
+    stock_graph = config.quant is None and serving_path(config, "cpu") == "precompute-outside"
+    if config.quant_head and stock_graph:
         raise NotImplementedError(
             f"{path}: ATTNQUANT_QUANT_HEAD=1 puts the output head in NVFP4 beside NVFP4 "
             "projections (ATTNQUANT_QUANT=nvfp4) or on the in-graph paths "
