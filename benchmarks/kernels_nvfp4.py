@@ -64,6 +64,18 @@ def memory_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
     return 2 * src.nbytes / best
 
 
+def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second a float32 matrix-vector product over a ``mib`` MiB matrix reads (numpy's
+    BLAS, on every core it is given): the best of ``repeats``. What a batch-1 decode step does to
+    its weights, where :func:`memory_bandwidth` also writes and runs on one thread."""
+    cols = 1024
+    matrix = np.ones((mib * (1 << 20) // 4 // cols, cols), np.float32)
+    vector = np.ones(cols, np.float32)
+    matrix @ vector  # fault the pages in
+    best = min(_timed(lambda: matrix @ vector) for _ in range(repeats))
+    return matrix.nbytes / best
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()

@@ -51,9 +51,16 @@ comptime U32 = DType.uint32
 # 1024, 0.97-0.99x at 1024 x 4096 (whose next tile is 32 KiB ahead). L1 alone at 64, 128, 256
 # and 512 bytes: 1.01x, 1.14-1.16x, 1.08x, 1.02x at 4096 x 1024.
 comptime PREFETCH_AHEAD = 128
-# Bytes ahead of the tiled layout's stream prefetched into L1 (two chunks). 1, 2 and 4 KiB ran
-# within noise of each other (standalone driver, 4096 x 1024 and 1024 x 4096).
-comptime TILED_AHEAD = 2048
+# Bytes ahead of the tiled layout's stream prefetched into L1 (one chunk), and into L2 (eight).
+# L1 alone at 1, 2 and 4 KiB ran within noise of each other (standalone driver, 4096 x 1024 and
+# 1024 x 4096); the L2 line beside it: 0.96-0.99x with two sum chains, 1.05-1.10x with four.
+comptime TILED_AHEAD = 1024
+comptime TILED_FAR = 8192
+# Partial sums per block for one input row: independent FMA chains in flight. Against two sums
+# and the 2 KiB L1 line alone (standalone driver, one row, the weight in DRAM, interleaved,
+# 2026-12-02): four with both prefetches 1.09-1.14x at 4096 x 1024, 1024 x 4096, 8192 x 1024
+# and 32000 x 1024; four alone 0.98-1.08x; eight 0.93-0.96x.
+comptime SUM_CHAINS = 4
 
 # The E2M1 values of the 16 codes (code 8 is -0).
 comptime E2M1 = SIMD[F32, LANES](
@@ -158,6 +165,17 @@ def _block_scale[
 
 
 @always_inline
+def _chain_sum[
+    n: Int
+](part: Array[SIMD[F32, LANES], _], first: Int) -> SIMD[F32, LANES]:
+    """`part[first] + ... + part[first + n - 1]`, pairwise (n a power of two)."""
+    comptime if n == 1:
+        return part[first]
+    else:
+        return _chain_sum[n // 2](part, first) + _chain_sum[n // 2](part, first + n // 2)
+
+
+@always_inline
 def _chunk[
     xdt: DType, mr: Int, tiled: Bool
 ](
@@ -187,6 +205,9 @@ def _chunk[
             prefetch[PrefetchOptions().for_read().high_locality()](
                 w.unsafe_offset(TILED_AHEAD + q * 64)
             )
+            prefetch[PrefetchOptions().for_read().medium_locality()](
+                w.unsafe_offset(TILED_FAR + q * 64)
+            )
     else:
         comptime for i in range(LANES):
             rows[i] = bitcast[U32, LANES](w.unsafe_load[width=64](i * ws))
@@ -200,8 +221,8 @@ def _chunk[
             )
         _transpose(rows)
         sb = _scale_bytes(scale, ss)
-    # One input row: two partial sums per block, so two FMA chains are in flight.
-    comptime P = 2 if mr == 1 else 1
+    # One input row: SUM_CHAINS partial sums per block; more rows are chains of their own.
+    comptime P = SUM_CHAINS if mr == 1 else 1
     comptime for b in range(CHUNK_BLOCKS):
         var part = Array[SIMD[F32, LANES], P * mr](fill=0)
         comptime for half in range(2):
@@ -221,10 +242,7 @@ def _chunk[
         else:
             sc = _block_scale[b](sb[0], sb[1])
         comptime for j in range(mr):
-            comptime if P == 2:
-                acc[j] = fma(part[2 * j] + part[2 * j + 1], sc, acc[j])
-            else:
-                acc[j] = fma(part[j], sc, acc[j])
+            acc[j] = fma(_chain_sum[P](part, P * j), sc, acc[j])
 
 
 @always_inline
