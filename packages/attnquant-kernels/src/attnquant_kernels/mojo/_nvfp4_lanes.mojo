@@ -168,11 +168,11 @@ def _block_scale[
 def _chain_sum[
     n: Int
 ](part: Array[SIMD[F32, LANES], _], first: Int) -> SIMD[F32, LANES]:
-    """`part[first] + ... + part[first + n - 1]`, pairwise (n a power of two)."""
+    """`part[first] + ... + part[first + n - 1]`, pairwise: halves of n // 2 and n - n // 2."""
     comptime if n == 1:
         return part[first]
     else:
-        return _chain_sum[n // 2](part, first) + _chain_sum[n // 2](part, first + n // 2)
+        return _chain_sum[n // 2](part, first) + _chain_sum[n - n // 2](part, first + n // 2)
 
 
 @always_inline
