@@ -1,5 +1,6 @@
 """Root pytest plugin, loaded by every test session: a log of the MAX graphs each test compiles,
-and a check that pytest-xdist keeps each ``xdist_group`` (one compiled graph) on one worker.
+a check that pytest-xdist keeps each ``xdist_group`` (one compiled graph) on one worker, and
+MAX's one import-time Mojo build done before the workers start.
 
 Set ``ATTNQUANT_COMPILE_LOG=FILE`` and every test appends one JSON line per test that compiled a
 graph (in this process or in a child, such as ``max serve``): its node id, how many new graphs
@@ -13,6 +14,8 @@ Standard library only: attnquant-core's session has no MAX.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import time
@@ -58,6 +61,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         }
         with open(log, "a", encoding="utf-8") as sink:
             sink.write(json.dumps(record) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On the pytest-xdist controller, build MAX's import-time Mojo module before any worker starts.
+
+    ``import max.nn`` compiles ``max/_kv_cache_ops`` into ``__mojocache__`` in site-packages on
+    first use (about 10 s), writing the ``.so`` in place with no lock: two workers importing a
+    fresh environment at once can load a half-written file ("file too short"), as a cold CI did.
+    Once built, the import takes about 0.5 s.
+    """
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    if importlib.util.find_spec("max") is not None:
+        importlib.import_module("max._kv_cache_ops")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

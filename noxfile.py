@@ -35,21 +35,6 @@ PARALLEL += ("--no-loadscope-reorder",)
 COMPILES = ("kernels", "max")
 
 
-def warm_mojo_imports(session: nox.Session) -> None:
-    """Build MAX's JIT-compiled Mojo extension once, before any xdist worker starts.
-
-    ``import max.nn`` compiles ``max/_kv_cache_ops`` into ``__mojocache__`` in site-packages on
-    first use (about 10 s), writing the ``.so`` in place with no lock: two workers importing a
-    fresh environment at once can load a half-written file ("file too short"), as a cold CI did.
-    """
-    session.run(
-        "python",
-        "-c",
-        "import importlib.util; importlib.util.find_spec('max') and __import__('max._kv_cache_ops')",
-        env=OFFLINE,
-    )
-
-
 def sync(session: nox.Session, *args: str) -> None:
     """Install from the lock into this session's environment (never re-resolving)."""
     session.run_install(
@@ -81,8 +66,6 @@ def _package_tests(pkg: str):
                 "sys.exit('max is importable in the core env' if importlib.util.find_spec('max') else 0)",
             )
         parallel = PARALLEL if pkg in COMPILES else ()
-        if parallel:
-            warm_mojo_imports(session)
         session.run(
             "pytest", f"packages/attnquant-{pkg}/tests", *parallel, *session.posargs, env=OFFLINE
         )
@@ -99,7 +82,6 @@ for _pkg in PACKAGES:
 def integration(session: nox.Session) -> None:
     """Cross-package tests (root tests/): CLI round trips, serving end to end through MAX."""
     sync(session, "--all-packages", "--group", "dev", "--group", "test-integration")
-    warm_mojo_imports(session)
     session.run("pytest", "tests", *PARALLEL, *session.posargs, env=OFFLINE)
 
 
