@@ -1,4 +1,5 @@
-"""Sessions: lint, one test session per package (synced alone), integration, build, bench, gpu.
+"""Sessions: lint, one test session per package (synced alone), integration, build; by hand:
+bench, lm-eval, gpu.
 
 Every session installs from ``uv.lock`` into its own environment, so a package's test session
 proves that the package installs and passes with nothing but its own dependencies.
@@ -139,6 +140,18 @@ def bench(session: nox.Session) -> None:
     target = ROOT / "bench-results" / "results.json"
     target.write_text(json.dumps(results, indent=2) + "\n")
     session.log(f"wrote {target}")
+
+
+@nox.session(name="lm-eval", default=False)
+def lm_eval(session: nox.Session) -> None:
+    """lm-eval's local-completions model scoring `attnquant serve` of the demo (by hand: lm-eval
+    and its datasets stack are a heavy install). Writes bench-results/lm_eval.json."""
+    sync(session, "--all-packages", "--group", "lm-eval")
+    out = ROOT / "bench-results" / "lm_eval.json"
+    out.parent.mkdir(exist_ok=True)
+    script = str(ROOT / "benchmarks" / "lm_eval_demo.py")
+    env = {**OFFLINE, "HF_DATASETS_OFFLINE": "1"}
+    session.run("python", script, "--out", str(out), *session.posargs, env=env)
 
 
 @nox.session(default=False)

@@ -1,14 +1,18 @@
-"""Load on ``attnquant serve``: many concurrent clients for a while, malformed requests mixed in.
+"""Load on ``attnquant serve``: many concurrent clients for a while, hostile requests mixed in.
 
-Starts ``attnquant serve`` (the demo model by default) on a free loopback port, waits until it
-answers, then ``--clients`` threads send completions (``--max-tokens`` each, one connection per
-request) for ``--seconds``; every ``--malformed-every``-th request is malformed and must get a
-4xx. Reports completions, errors (5xx, dropped connections, wrong status), latency p50/p99 of
-the good requests, then stops the server with SIGTERM and checks that it exits 0 and leaves no
-process behind.
+Starts ``attnquant serve`` (the demo model by default; ``--env NAME=VALUE`` picks the serving
+path) on a free loopback port, waits until it answers, then ``--clients`` threads send requests
+(one connection each) for ``--seconds``. The valid ones rotate through what clients send: a
+completion (``--max-tokens``), lm-eval's log-likelihood request (token ids, ``echo``,
+``logprobs``, ``max_tokens: 0``), a completion with a stop sequence, ``n: 2``, a chat. Every
+``--malformed-every``-th request is malformed or hostile (bad JSON, wrong types, token ids
+outside the vocabulary, a seed past 2**64, ``logit_bias``, deep nesting, invalid UTF-8: several
+of these took MAX's own server down) and must get a 4xx. Reports statuses by kind, errors
+(5xx on a valid request, a dropped connection, a wrong status), latency p50/p99 of the valid
+requests, then stops the server with SIGTERM and checks that it exits 0 and leaves no process.
 
 Run: ``uv run --all-packages python benchmarks/bench_load.py --out load.json``
-(32 clients, 120 s by default).
+(64 clients, 600 s by default).
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ MALFORMED: tuple[tuple[str, bytes], ...] = (
     ("/v1/completions", b'{"model": "m", "prompt": 17}'),
     ("/v1/chat/completions", b'{"model": "m", "messages": "not a list"}'),
     ("/v1/nowhere", b"{}"),
+    ("/v1/completions", b'{"model": "m", "prompt": [5, 999999], "max_tokens": 1}'),
+    ("/v1/completions", b'{"model": "m", "prompt": [-1], "echo": true, "logprobs": 1}'),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "seed": 99999999999999999999}'),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "logit_bias": {"5": 100}}'),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "temperature": NaN}'),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "echo": true, "stream": true}'),
+    ("/v1/completions", b"[" * 100_000),
+    ("/v1/completions", b'{"model": "m", "prompt": "\xff\xfe"}'),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "x", "content": 1}]}'),
 )
 
 
@@ -103,9 +116,16 @@ def run_load(port: int, model: str, args: argparse.Namespace) -> dict:
     errors: list[str] = []
     lock = threading.Lock()
     stop_at = time.monotonic() + args.seconds
-    valid = json.dumps(
-        {"model": model, "prompt": "def ", "max_tokens": args.max_tokens, "temperature": 0.0}
-    ).encode()
+    greedy = {"model": model, "max_tokens": args.max_tokens, "temperature": 0.0}
+    valid = [
+        ("/v1/completions", {**greedy, "prompt": "def "}),
+        ("/v1/completions", {"model": model, "prompt": [[312, 45, 1200, 7, 88]], "max_tokens": 0,
+                             "echo": True, "logprobs": 1}),
+        ("/v1/completions", {**greedy, "prompt": "import ", "stop": ["\n"]}),
+        ("/v1/completions", {**greedy, "prompt": "class ", "n": 2}),
+        ("/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": "hi"}]}),
+    ]  # fmt: skip
+    valid_bodies = [(path, json.dumps(body).encode()) for path, body in valid]
 
     def client(index: int) -> None:
         n = index
@@ -115,7 +135,7 @@ def run_load(port: int, model: str, args: argparse.Namespace) -> dict:
             path, body = (
                 MALFORMED[n // args.malformed_every % len(MALFORMED)]
                 if bad
-                else ("/v1/completions", valid)
+                else valid_bodies[n % len(valid_bodies)]
             )
             start = time.perf_counter()
             try:
@@ -126,7 +146,7 @@ def run_load(port: int, model: str, args: argparse.Namespace) -> dict:
                 continue
             elapsed = time.perf_counter() - start
             with lock:
-                kind = "malformed" if bad else "completion"
+                kind = "malformed" if bad else path.rsplit("/", 1)[1]
                 statuses[f"{kind} {status}"] = statuses.get(f"{kind} {status}", 0) + 1
                 if not bad and status == 200:
                     latencies.append(elapsed)
@@ -154,19 +174,23 @@ def run_load(port: int, model: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="demo", help="Checkpoint to serve.")
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=600.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--malformed-every", type=int, default=8, help="0: none malformed.")
     parser.add_argument("--ready-timeout", type=float, default=1200.0)
     parser.add_argument("--out", type=Path, help="Write the results as JSON here.")
+    parser.add_argument(
+        "--env", action="append", default=[], help="NAME=VALUE for the server (the path)."
+    )
     args = parser.parse_args()
+    env = dict(os.environ, **dict(item.split("=", 1) for item in args.env))
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="bench-load-", suffix=".log")[1])
     argv = [sys.executable, "-m", "attnquant_cli", "serve", args.model, "--port", str(port)]
     argv += ["--served-model-name", "m"]
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(f"http://127.0.0.1:{port}/v1", proc, args.ready_timeout)
         tree = descendants(proc.pid)
@@ -187,6 +211,15 @@ def main() -> None:
         seconds=args.seconds,
         max_tokens=args.max_tokens,
         malformed_every=args.malformed_every,
+        env=args.env,
+        path_line=next(
+            (
+                line
+                for line in log.read_text(errors="replace").splitlines()
+                if "attnquant: " in line
+            ),
+            "",
+        ),
         exit_code_after_sigterm=result_code,
         processes_left=sorted(alive(tree)),
         stopped_cleanly="server stopped" in log.read_text(errors="replace"),

@@ -34,7 +34,14 @@ SERVER_READY_TIMEOUT_S = 1200
 # first compiles the demo's graph (demo_graph), "tiny" runs on the other worker meanwhile (its
 # graphs are the tiny Llama's of attnquant-max's tests, cached by then in a full run);
 # "demo-eval-max" compiles a graph of its own (the demo built with enable_echo).
-SERVING_GROUPS = ("serve-reliability", "tiny", "demo-eval-max", "serve-e2e", "demo-verify")
+SERVING_GROUPS = (
+    "serve-reliability",
+    "tiny",
+    "demo-eval-max",
+    "serve-clients",
+    "serve-e2e",
+    "demo-verify",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

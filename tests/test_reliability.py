@@ -230,15 +230,59 @@ def _wait_port_free(port: int, within_s: float = 30.0) -> bool:
 @pytest.mark.slow
 @pytest_linux
 @pytest.mark.xdist_group("serve-reliability")
-def test_kill_9_of_max_serve_takes_its_workers(demo, serve_model, tmp_path):
-    """max serve SIGKILLed: attnquant serve ends what it left (its model worker) and exits."""
-    with serve_model(demo, tmp_path / "serve.log") as server:
+def test_kill_9_of_max_serve_is_survived(demo, serve_model, tmp_path):
+    """max serve SIGKILLed mid-request: the request gets a 5xx, what max serve left (its model
+    worker) is ended, a new one is started and later requests are served; SIGTERM then stops
+    everything and frees the port."""
+    import threading
+
+    log = tmp_path / "serve.log"
+    long = json.dumps(
+        {"model": "m", "prompt": "def ", "max_tokens": 500, "ignore_eos": True}
+    ).encode()
+    with serve_model(demo, log) as server:
+        port = _port_of(server)
         tree = _descendants(server.proc.pid)
         max_serve = next(p for p in tree if b"\0serve\0" in Path(f"/proc/{p}/cmdline").read_bytes())
+        in_flight: list[int] = []
+        sender = threading.Thread(
+            target=lambda: in_flight.append(_post(port, "/v1/completions", long))
+        )
+        sender.start()
+        time.sleep(2.0)  # the request is generating (500 tokens take seconds on the demo)
         os.kill(max_serve, signal.SIGKILL)
-        server.proc.wait(timeout=120)
+        sender.join(timeout=120)
+        assert in_flight and 500 <= in_flight[0] < 600, in_flight
         left = _wait_gone(tree)
         assert not left, f"left running after kill -9 of max serve: {sorted(left)}"
+        assert server.proc.poll() is None  # attnquant serve is still up
+        deadline = time.monotonic() + 600
+        while _get(port, "/health") != 200 and time.monotonic() < deadline:
+            time.sleep(1.0)
+        valid = json.dumps({"model": "m", "prompt": "def ", "max_tokens": 4}).encode()
+        assert _post(port, "/v1/completions", valid) == 200
+        restarted = _descendants(server.proc.pid)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=120) == 0
+    text = log.read_text()
+    assert "MAX model server exited with code -9; restarting in 1 s" in text
+    assert "MAX model server ready again (start 2)" in text
+    assert not _wait_gone(restarted)
+    assert _wait_port_free(port)
+
+
+def _get(port: int, path: str) -> int:
+    """A GET's status; 0 when nothing answers."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
 
 
 def test_busy_port_is_one_line_naming_it(capsys):
@@ -535,3 +579,47 @@ def test_supervised_group_dies_with_its_supervisor_without_max():
     supervisor.wait()
     supervisor.stdout.close()
     assert not _wait_gone(started), "left running after kill -9 of the supervisor"
+
+
+# -- the gateway gives up on a MAX server that keeps dying ----------------------------------
+
+GIVE_UP = """
+import sys
+from attnquant_max.gateway import ModelFacts, run_gateway
+from attnquant_max.testing import fake_max_serve
+model, port = sys.argv[1], int(sys.argv[2])
+facts = ModelFacts(name="m", vocab_size=2048, max_length=512, echo=True)
+code = run_gateway(model, host="127.0.0.1", port=port, facts=facts,
+                   argv_for=fake_max_serve(1.5), restarts=1)
+sys.exit(code)
+"""
+
+
+@pytest_linux
+def test_gateway_gives_up_on_a_dying_server_and_frees_its_port(demo):
+    """A stand-in max serve that dies 1.5 s after each start: restarted once, then given up;
+    meanwhile the gateway answered 200 while it was up and 503 while it was not; it exits with
+    the server's code and leaves nothing on its port."""
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GIVE_UP, str(demo), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = set()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen.add(_get(port, "/health"))
+        time.sleep(0.1)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 3, output
+    assert {200, 503} <= seen
+    assert "restarting in 1 s (restart 1 of 1 allowed" in output
+    assert "died 2 times" in output
+    assert _port_is_free(port)
+    assert not _descendants(proc.pid)

@@ -41,7 +41,6 @@ from ._prompts import VERIFY_PROMPTS
 
 if TYPE_CHECKING:
     from attnquant_core import BudgetReport
-    from attnquant_max._serve import ServerProcess
 
 __all__ = ["app", "cli", "main"]
 
@@ -749,11 +748,24 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="Model name clients ask for (default: the directory name).")
     ] = None,
+    echo: Annotated[
+        bool,
+        typer.Option(
+            "--echo/--no-echo",
+            help="Serve prompt log-probabilities (echo with logprobs, as evaluation harnesses "
+            "ask); --no-echo refuses those requests with a 400.",
+        ),
+    ] = True,
+    restarts: Annotated[
+        int,
+        typer.Option(min=0, help="Restarts of a dying MAX server allowed within 10 minutes."),
+    ] = 5,
 ) -> int:
     """Serve MODEL behind an OpenAI-compatible endpoint through MAX (Ctrl-C stops it)."""
     from attnquant_core import require_intact
     from attnquant_max import plan_serving, serve_command, serve_env
-    from attnquant_max._serve import ServerProcess, check_port_free
+    from attnquant_max._serve import check_port_free
+    from attnquant_max.gateway import ECHO_SERVE_ARGS, ModelFacts, run_gateway
 
     path = _model(model)
     env = serve_env()  # validates every ATTNQUANT_* variable before anything starts
@@ -763,38 +775,54 @@ def serve(
     name = served_model_name or ("demo" if model in (None, "demo") else path.name)
     console.print(plan.describe(), highlight=False, soft_wrap=True)
     console.print(
-        f"OpenAI-compatible API at http://{host}:{port}/v1, model {name!r}", highlight=False
+        f"OpenAI-compatible API at http://{host}:{port}/v1, model {name!r}; "
+        f"prompt log-probabilities {'on' if echo else 'off (--no-echo)'}",
+        highlight=False,
+        soft_wrap=True,
     )
-    argv = serve_command(
-        path,
-        port=port,
-        host=host,
-        devices=devices,
-        max_length=max_length,
-        max_batch_size=max_batch_size,
-        served_model_name=name,
-    )
+
+    def argv_for(backend_port: int) -> list[str]:
+        return serve_command(
+            path,
+            port=backend_port,
+            devices=devices,
+            max_length=max_length,
+            max_batch_size=max_batch_size,
+            served_model_name=name,
+            extra_args=ECHO_SERVE_ARGS if echo else (),
+        )
+
+    argv_for(0)  # refuses a model the device cannot run (Gemma on a CPU) before anything starts
+    facts = ModelFacts(name=name, vocab_size=_vocab_size(path), max_length=max_length, echo=echo)
 
     def terminated(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM shuts down as cleanly as Ctrl-C
 
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
-        # Its own process group, ended with this process however it dies (kill -9 included).
-        server = ServerProcess(argv, env)
-        try:
-            return server.wait()
-        except KeyboardInterrupt:
-            return _stop(server)
+        code = run_gateway(
+            path,
+            host=host,
+            port=port,
+            facts=facts,
+            argv_for=argv_for,
+            env=env,
+            log=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True),
+            restarts=restarts,
+        )
+    except KeyboardInterrupt:
+        code = 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _stop(server: ServerProcess) -> int:
-    """Stop the server: SIGINT (what Ctrl-C sends), then SIGTERM, then SIGKILL to its group."""
-    server.stop()
     console.print("attnquant: server stopped")
-    return 0
+    return code
+
+
+def _vocab_size(path: Path) -> int:
+    """Token ids a prompt may hold: the model's vocabulary, capped by its tokenizer's."""
+    from attnquant_max.gateway import ModelTokenizer
+
+    return ModelTokenizer(path).vocab_size
 
 
 @app.command()

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -225,6 +226,7 @@ class ServerProcess:
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         self.pgid = self.proc.pid  # a session leader's group id is its pid
+        self._reaping = threading.Lock()  # wait() and stop() may run in two threads
         read_end, self._alive = os.pipe()
         try:
             self.watchdog = subprocess.Popen(
@@ -275,6 +277,10 @@ class ServerProcess:
 
     def _reap(self) -> None:
         """Once ``max serve`` is gone: SIGKILL what it left in its group, dismiss the watchdog."""
+        with self._reaping:
+            self._reap_group()
+
+    def _reap_group(self) -> None:
         # Workers normally exit with their server; one that did not (max serve itself
         # SIGKILLed, say) still holds the model and may hold the port.
         deadline = time.monotonic() + 5.0

@@ -24,9 +24,11 @@ import safetensors.numpy
 from attnquant_core.testing import write_byte_tokenizer
 
 __all__ = [
+    "FAKE_MAX_SERVE",
     "HEADS",
     "HEAD_DIM",
     "HIDDEN",
+    "fake_max_serve",
     "INTERMEDIATE",
     "KV_HEADS",
     "LAYERS",
@@ -220,3 +222,27 @@ def gemm_weight_bytes(theta: Path) -> int:
         elif fam.form == "shared_basis" and dense:  # all layers or none
             total -= sum(a.nbytes for a in fam.arrays())
     return total
+
+
+#: A stand-in for ``max serve`` to supervise: answers ``GET /health`` with 200 on the port it is
+#: given and exits with code 3 after LIFE seconds (never when LIFE is 0).
+FAKE_MAX_SERVE = """
+import http.server, os, sys, threading
+port, life = int(sys.argv[1]), float(sys.argv[2])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+if life:
+    threading.Timer(life, lambda: os._exit(3)).start()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def fake_max_serve(life: float):
+    """``argv_for(port)`` of :data:`FAKE_MAX_SERVE`, for :class:`attnquant_max.gateway.Backend`."""
+    import sys
+
+    return lambda port: [sys.executable, "-c", FAKE_MAX_SERVE, str(port), str(life)]
