@@ -189,7 +189,7 @@ CHAT_FIELDS = st.sampled_from(
 
 
 @settings(
-    max_examples=60,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -117,7 +117,7 @@ def test_unknown_model_is_404_and_missing_fields_are_400():
         check_completion({"model": "other", "prompt": "x"}, FACTS)
     assert caught.value.status == 404
     assert "this server serves 'm'" in str(caught.value)
-    for body in ({"prompt": "x"}, {"model": "m"}, [], "x", None):
+    for body in ({"prompt": "x"}, {"model": "m"}, {"model": "m", "prompt": None}, [], "x", None):
         with pytest.raises(RequestError):
             check_completion(body, FACTS)
 

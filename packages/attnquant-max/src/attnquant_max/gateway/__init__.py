@@ -10,7 +10,6 @@ the gateway answers 503.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -61,7 +60,6 @@ def run_gateway(
 
     from ._app import make_app
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to MAX
     tokenizer = ModelTokenizer(model_path)
     backend = Backend(argv_for, env, restarts=restarts, log=log)
     server: uvicorn.Server | None = None

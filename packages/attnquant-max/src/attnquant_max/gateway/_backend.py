@@ -14,7 +14,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-import httpx
+import aiohttp
 
 from .._serve import ServerProcess
 
@@ -126,14 +126,15 @@ class Backend:
     async def _wait_ready(self, process: ServerProcess) -> bool:
         """Poll ``/health`` until it answers 200 (True), or the process exits (False)."""
         deadline = time.monotonic() + self.ready_timeout_s
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as client:
             while time.monotonic() < deadline and not self._stopping:
                 if process.proc.poll() is not None:
                     return False
                 try:
-                    if (await client.get(f"{self.url}/health")).status_code == 200:
-                        return True
-                except httpx.HTTPError:
+                    async with client.get(f"{self.url}/health") as response:
+                        if response.status == 200:
+                            return True
+                except (aiohttp.ClientError, TimeoutError):
                     pass
                 await asyncio.sleep(0.25)
         if not self._stopping:

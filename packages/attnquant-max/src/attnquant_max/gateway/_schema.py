@@ -285,7 +285,7 @@ def _check_fields(
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
     for name in required:
-        if name not in body:
+        if body.get(name) is None:
             raise RequestError(f"{name} is required", param=name)
     for name, check in checks.items():
         if body.get(name) is not None:
