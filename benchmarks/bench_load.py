@@ -117,23 +117,23 @@ def run_load(port: int, model: str, args: argparse.Namespace) -> dict:
     lock = threading.Lock()
     stop_at = time.monotonic() + args.seconds
     greedy = {"model": model, "max_tokens": args.max_tokens, "temperature": 0.0}
-    valid = [
-        ("/v1/completions", {**greedy, "prompt": "def "}),
-        ("/v1/completions", {"model": model, "prompt": [[312, 45, 1200, 7, 88]], "max_tokens": 0,
-                             "echo": True, "logprobs": 1}),
-        ("/v1/completions", {**greedy, "prompt": "import ", "stop": ["\n"]}),
-        ("/v1/completions", {**greedy, "prompt": "class ", "n": 2}),
-        ("/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": "hi"}]}),
-    ]  # fmt: skip
-    valid_bodies = [(path, json.dumps(body).encode()) for path, body in valid]
+    valid = {
+        "completion": ("/v1/completions", {**greedy, "prompt": "def "}),
+        "loglikelihood": ("/v1/completions", {"model": model, "prompt": [[312, 45, 1200, 7, 88]],
+                                              "max_tokens": 0, "echo": True, "logprobs": 1}),
+        "stop": ("/v1/completions", {**greedy, "prompt": "import ", "stop": ["\n"]}),
+        "n=2": ("/v1/completions", {**greedy, "prompt": "class ", "n": 2}),
+        "chat": ("/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": "hi"}]}),
+    }  # fmt: skip
+    valid_bodies = [(kind, path, json.dumps(body).encode()) for kind, (path, body) in valid.items()]
 
     def client(index: int) -> None:
         n = index
         while time.monotonic() < stop_at:
             n += 1
             bad = args.malformed_every and n % args.malformed_every == 0
-            path, body = (
-                MALFORMED[n // args.malformed_every % len(MALFORMED)]
+            kind, path, body = (
+                ("malformed", *MALFORMED[n // args.malformed_every % len(MALFORMED)])
                 if bad
                 else valid_bodies[n % len(valid_bodies)]
             )
@@ -146,7 +146,6 @@ def run_load(port: int, model: str, args: argparse.Namespace) -> dict:
                 continue
             elapsed = time.perf_counter() - start
             with lock:
-                kind = "malformed" if bad else path.rsplit("/", 1)[1]
                 statuses[f"{kind} {status}"] = statuses.get(f"{kind} {status}", 0) + 1
                 if not bad and status == 200:
                     latencies.append(elapsed)

@@ -28,12 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _servers import wait_healthy
 
 VARIANTS = ("max+echo", "attnquant", "attnquant --no-echo")
 PROMPT = "def main(argv):\n"
@@ -57,17 +57,8 @@ def start(variant: str, model: Path, name: str, log: Path) -> tuple[subprocess.P
     proc = subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 1800
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{variant} exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(2)
-    raise SystemExit(f"{variant} not ready in 30 min; see {log}")
+    wait_healthy(proc, url, log)
+    return proc, url
 
 
 def one_run(client: httpx.Client, url: str, name: str, tokens: int) -> dict[str, float]:

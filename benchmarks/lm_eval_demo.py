@@ -4,10 +4,11 @@ Three small tasks are made from the demo's held-out text (CPython's ``tempfile.p
 ``urllib/robotparser.py``, ``idlelib/undo.py``, never trained on; shipped in attnquant-cli's
 ``data/demo_heldout.jsonl``), seeded, so every run scores the same items:
 
-* ``aq_code_choice`` (log-likelihood, multiple choice): the first part of a line after three
-  lines of context; the true rest of the line against three rests of other lines. acc, acc_norm.
-* ``aq_code_line`` (generate-until): four lines of context, the next line greedily, cut at
-  ``"\\n"``. exact_match.
+* ``aq_code_choice`` (log-likelihood, multiple choice): three lines of context and the first
+  part of a line (cut before the space nearest its middle); the true rest of the line against
+  the rests of three other lines. acc, acc_norm.
+* ``aq_code_line`` (generate-until): four lines of context and the first part of a line; the
+  rest of the line greedily, cut at ``"\\n"``. exact_match.
 * ``aq_heldout_ppl`` (rolling log-likelihood): the held-out files in 1,500-character pieces.
   word and byte perplexity, bits per byte.
 
@@ -16,7 +17,7 @@ lm-eval's Python API with its remote tokenizer (the server's ``/tokenize`` route
 prompts, and 2 concurrent requests. Nothing is downloaded: the tasks read local JSON files
 (``HF_DATASETS_OFFLINE=1``).
 
-Run: ``uv run nox -s lm_eval`` (installs lm-eval), or
+Run: ``uv run nox -s lm-eval`` (installs lm-eval), or
 ``uv run --all-packages --group lm-eval python benchmarks/lm_eval_demo.py --out lm_eval.json``.
 """
 
@@ -32,8 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import wait_healthy
 
 TASKS = ("aq_code_choice", "aq_code_line", "aq_heldout_ppl")
 MAX_LENGTH = 512  # attnquant serve's default window
@@ -52,27 +55,32 @@ def make_tasks(folder: Path, *, seed: int = 0, choices: int = 120, lines: int = 
     texts = heldout_texts()
     code = [line for text in texts for line in text.splitlines()]
     usable = [i for i in range(4, len(code)) if len(code[i].strip()) >= 24 and code[i - 1].strip()]
-    rests = [code[i][len(code[i]) // 2 :] for i in usable]
 
     def context(i: int, n: int) -> str:
         return "\n".join(code[i - n : i]) + "\n"
 
+    def split(line: str) -> int:
+        """Where a line is cut: before the space nearest its middle, so that the cut falls
+        between two tokens (BPE words carry their leading space), not inside one."""
+        spaces = [k for k, c in enumerate(line) if c == " " and line[:k].strip()]
+        return min(spaces, key=lambda k: abs(k - len(line) // 2)) if spaces else len(line) // 2
+
+    rests = [code[i][split(code[i]) :] for i in usable]
     picks = rng.sample(usable, choices)
     with open(folder / "code_choice.jsonl", "w", encoding="utf-8") as sink:
         for i in picks:
-            half = len(code[i]) // 2
-            others = rng.sample([r for r in rests if r != code[i][half:]], 3)
-            options = [code[i][half:], *others]
+            cut = split(code[i])
+            truth = code[i][cut:]
+            others = rng.sample([r for r in rests if r != truth], 3)
+            options = [truth, *others]
             rng.shuffle(options)
-            doc = {
-                "context": context(i, 3) + code[i][:half],
-                "choices": options,
-                "gold": options.index(code[i][half:]),
-            }
-            sink.write(json.dumps(doc) + "\n")
+            doc = {"context": context(i, 3) + code[i][:cut], "choices": options}
+            sink.write(json.dumps({**doc, "gold": options.index(truth)}) + "\n")
     with open(folder / "code_line.jsonl", "w", encoding="utf-8") as sink:
         for i in rng.sample(usable, lines):
-            sink.write(json.dumps({"context": context(i, 4), "target": code[i]}) + "\n")
+            cut = split(code[i])
+            doc = {"context": context(i, 4) + code[i][:cut], "target": code[i][cut:]}
+            sink.write(json.dumps(doc) + "\n")
     with open(folder / "heldout.jsonl", "w", encoding="utf-8") as sink:
         for text in texts:
             for start in range(0, len(text), 1500):
@@ -113,18 +121,8 @@ def serve(model: str, log: Path, extra: list[str]) -> tuple[subprocess.Popen, st
     argv += ["--served-model-name", "m", *extra]
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 1800
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"attnquant serve exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(2)
-    proc.kill()
-    raise SystemExit(f"attnquant serve not ready in 30 min; see {log}")
+    wait_healthy(proc, url, log)
+    return proc, url
 
 
 def score(url: str, tasks: Path, concurrent: int) -> dict:

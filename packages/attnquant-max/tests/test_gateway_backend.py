@@ -28,7 +28,7 @@ def test_a_first_start_that_fails_is_not_retried():
 
 def test_a_server_that_keeps_dying_is_restarted_then_given_up():
     lines: list[str] = []
-    backend = _backend(fake_max_serve(1.5), lines, restarts=2)
+    backend = _backend(fake_max_serve(3.0), lines, restarts=2)
     asyncio.run(backend.run())
     assert backend.starts == 3  # the first start and two restarts
     assert backend.gave_up is not None and "died 3 times" in backend.gave_up
