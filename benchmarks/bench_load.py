@@ -22,15 +22,16 @@ import http.client
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import wait_healthy
 
 MALFORMED: tuple[tuple[str, bytes], ...] = (
     ("/v1/completions", b"{not json"),
@@ -51,12 +52,6 @@ MALFORMED: tuple[tuple[str, bytes], ...] = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(port: int, path: str, body: bytes) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
@@ -66,19 +61,6 @@ def post(port: int, path: str, body: bytes) -> int:
         return response.status
     finally:
         conn.close()
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"attnquant serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=5):
-                return
-        except OSError:
-            time.sleep(2)
-    raise SystemExit(f"attnquant serve not ready in {timeout_s:.0f} s")
 
 
 def descendants(pid: int) -> set[int]:
@@ -184,6 +166,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     env = dict(os.environ, **dict(item.split("=", 1) for item in args.env))
+    from attnquant_max.gateway import free_port
+
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="bench-load-", suffix=".log")[1])
     argv = [sys.executable, "-m", "attnquant_cli", "serve", args.model, "--port", str(port)]
@@ -191,7 +175,7 @@ def main() -> None:
     with open(log, "wb") as sink:
         proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/v1", proc, args.ready_timeout)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, args.ready_timeout)
         tree = descendants(proc.pid)
         result = run_load(port, "m", args)
         result["answers_after"] = post(

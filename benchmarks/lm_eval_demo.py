@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -108,14 +107,10 @@ def make_tasks(folder: Path, *, seed: int = 0, choices: int = 120, lines: int = 
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(model: str, log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     """``attnquant serve MODEL`` on a free port, once ``/health`` answers."""
+    from attnquant_max.gateway import free_port
+
     port = free_port()
     argv = [sys.executable, "-m", "attnquant_cli", "serve", model, "--port", str(port)]
     argv += ["--served-model-name", "m", *extra]

@@ -585,11 +585,10 @@ def test_supervised_group_dies_with_its_supervisor_without_max():
 
 GIVE_UP = """
 import sys
-from attnquant_max.gateway import ModelFacts, run_gateway
+from attnquant_max.gateway import run_gateway
 from attnquant_max.testing import fake_max_serve
 model, port = sys.argv[1], int(sys.argv[2])
-facts = ModelFacts(name="m", vocab_size=2048, max_length=512, echo=True)
-code = run_gateway(model, host="127.0.0.1", port=port, facts=facts,
+code = run_gateway(model, host="127.0.0.1", port=port, name="m", max_length=512, echo=True,
                    argv_for=fake_max_serve(4.0), restarts=1)
 sys.exit(code)
 """

@@ -270,3 +270,13 @@ def test_sse_round_trip():
     line = sse(event).decode().strip()
     assert parse_sse(line) == event
     assert parse_sse("data: [DONE]") is None and parse_sse(": ping") is None
+
+
+def test_collected_choice_keeps_log_probabilities_asked_for_with_logprobs_0():
+    """``logprobs: 0`` asks for the sampled tokens' own log-probabilities (0 is not false)."""
+    from attnquant_max.gateway._app import _choice
+
+    stream = {"token_logprobs": [-1.5], "top_logprobs": [{}]}
+    asked = _choice(_completion(logprobs=0, stop="\n"), 0, "x", "stop", stream)
+    assert asked["logprobs"]["token_logprobs"] == [-1.5]
+    assert _choice(_completion(stop="\n"), 0, "x", "stop", stream)["logprobs"] is None

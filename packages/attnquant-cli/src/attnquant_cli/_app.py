@@ -765,7 +765,7 @@ def serve(
     from attnquant_core import require_intact
     from attnquant_max import plan_serving, serve_command, serve_env
     from attnquant_max._serve import check_port_free
-    from attnquant_max.gateway import ECHO_SERVE_ARGS, ModelFacts, run_gateway
+    from attnquant_max.gateway import ECHO_SERVE_ARGS, run_gateway
 
     path = _model(model)
     env = serve_env()  # validates every ATTNQUANT_* variable before anything starts
@@ -793,7 +793,6 @@ def serve(
         )
 
     argv_for(0)  # refuses a model the device cannot run (Gemma on a CPU) before anything starts
-    facts = ModelFacts(name=name, vocab_size=_vocab_size(path), max_length=max_length, echo=echo)
 
     def terminated(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM shuts down as cleanly as Ctrl-C
@@ -804,7 +803,9 @@ def serve(
             path,
             host=host,
             port=port,
-            facts=facts,
+            name=name,
+            max_length=max_length,
+            echo=echo,
             argv_for=argv_for,
             env=env,
             log=lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True),
@@ -816,13 +817,6 @@ def serve(
         signal.signal(signal.SIGTERM, previous)
     console.print("attnquant: server stopped")
     return code
-
-
-def _vocab_size(path: Path) -> int:
-    """Token ids a prompt may hold: the model's vocabulary, capped by its tokenizer's."""
-    from attnquant_max.gateway import ModelTokenizer
-
-    return ModelTokenizer(path).vocab_size
 
 
 @app.command()

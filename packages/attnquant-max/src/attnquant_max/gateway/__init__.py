@@ -45,7 +45,9 @@ def run_gateway(
     *,
     host: str,
     port: int,
-    facts: ModelFacts,
+    name: str,
+    max_length: int,
+    echo: bool,
     argv_for: Callable[[int], Sequence[str]],
     env: Mapping[str, str] | None = None,
     log: Callable[[str], None] = print,
@@ -54,13 +56,16 @@ def run_gateway(
     """Serve the gateway on ``host:port`` until SIGINT/SIGTERM (exit code 0), or until the MAX
     server behind it gives up (its exit code, or 1).
 
-    ``argv_for(port)`` is the ``max serve`` command line listening on a loopback ``port``.
+    ``argv_for(port)`` is the ``max serve`` command line listening on a loopback ``port``;
+    ``name``, ``max_length`` and ``echo`` are what it serves (the served model name, its
+    window, whether it was built for prompt log-probabilities).
     """
     import uvicorn
 
     from ._app import make_app
 
     tokenizer = ModelTokenizer(model_path)
+    facts = ModelFacts(name=name, vocab_size=tokenizer.vocab_size, max_length=max_length, echo=echo)
     backend = Backend(argv_for, env, restarts=restarts, log=log)
     server: uvicorn.Server | None = None
 

@@ -33,7 +33,15 @@ from ._rewrite import (
     sse,
     sum_usage,
 )
-from ._schema import ModelFacts, RequestError, RequestPlan, check_chat, check_completion
+from ._schema import (
+    ModelFacts,
+    RequestError,
+    RequestPlan,
+    _text,
+    _token_ids,
+    check_chat,
+    check_completion,
+)
 from ._tokens import ModelTokenizer
 
 __all__ = ["make_app"]
@@ -71,7 +79,8 @@ class Gateway:
 
     # -- plumbing -------------------------------------------------------------------------
 
-    def _url(self, path: str) -> str:
+    def _require_ready(self) -> None:
+        """503 (with ``Retry-After``) while MAX loads or restarts."""
         if not self.backend.ready or self.client is None:
             starting = self.backend.starts <= 1
             raise RequestError(
@@ -80,6 +89,9 @@ class Gateway:
                 else "the model server is restarting; retry shortly",
                 status=503,
             )
+
+    def _url(self, path: str) -> str:
+        self._require_ready()
         return f"{self.backend.url}{path}"
 
     async def _body(self, request: Request) -> object:
@@ -112,7 +124,7 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._url("/v1/models")
+            self._require_ready()
         except RequestError as exc:
             return _error(exc)
         return JSONResponse(
@@ -137,8 +149,6 @@ class Gateway:
             special = body.get("add_special_tokens", True)
             if not isinstance(special, bool):
                 raise RequestError("add_special_tokens must be true or false")
-            from ._schema import _text
-
             ids = self.tokenizer.encode(_text("prompt", body["prompt"]), add_special_tokens=special)
         except RequestError as exc:
             return _error(exc)
@@ -151,8 +161,6 @@ class Gateway:
             body = await self._body(request)
             if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
                 raise RequestError("detokenize needs a body {'tokens': [ids]}", param="tokens")
-            from ._schema import _token_ids
-
             ids = _token_ids("tokens", body["tokens"], self.facts) if body["tokens"] else []
         except RequestError as exc:
             return _error(exc)
@@ -171,7 +179,7 @@ class Gateway:
         self, request: Request, check: Callable[[object, ModelFacts], RequestPlan]
     ) -> Response:
         try:
-            self._url("")  # 503 at once while the model is down
+            self._require_ready()  # 503 at once, before the body is read
             plan = check(await self._body(request), self.facts)
             if plan.stream:
                 return await self._stream(plan)
@@ -358,7 +366,7 @@ async def _usage_tail(lines: AsyncIterator[str], wait_s: float = 1.0) -> dict[st
 
 def _choice(plan: RequestPlan, index: int, text: str, finish: str, logprobs: dict) -> dict:
     """A non-streamed choice; log-probabilities only when the request asked for them."""
-    asked = plan.body.get("logprobs") not in (None, False)
+    asked = plan.body.get("logprobs") is not None and plan.body.get("logprobs") is not False
     if plan.kind == "completion":
         return {
             "index": index,
