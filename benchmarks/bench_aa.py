@@ -57,17 +57,17 @@ def main() -> None:
         read_load,
         unpaired_ratio,
     )
-    from attnquant_max import AttnquantConfig, load_pipeline
+    from attnquant_max import ServingOptions, load_pipeline
 
     started = read_load()
     t0 = time.perf_counter()
     demo = demo_model_path()
     passthrough = Path(tempfile.mkdtemp(prefix="aq-bench-aa-")) / "pass"
     decompose_checkpoint(demo, passthrough, blocks="layers", rank=0)
-    config = AttnquantConfig.from_env()
+    config = ServingOptions.from_env()
     common = {"max_length": 512, "max_batch_size": 8, "devices": "cpu"}
-    base = load_pipeline(demo, config=replace(config, blocks=None), **common)
-    theta = load_pipeline(passthrough, config=config, **common)
+    base = load_pipeline(demo, options=replace(config, blocks=None), **common)
+    theta = load_pipeline(passthrough, options=config, **common)
     setup_s = time.perf_counter() - t0
     print(
         f"decomposed and loaded both models in {setup_s:.0f} s; {machine_load(started).describe()}"

@@ -22,11 +22,11 @@ peak RSS is its own (``VmHWM`` of the worker, which exec resets):
 
 ``DATA`` defaults to the demo model's shipped calibration sample (``demo_calibration.jsonl``,
 ~13.8k tokens of the demo tokenizer). Each phase reports its wall time, peak RSS (and when in
-the run it peaked, from a 0.25 s ``VmRSS`` sampler), beside an RSS budget derived from DESIGN
+the run it peaked, from a 0.25 s ``VmRSS`` sampler), beside an RSS budget derived from the design goal
 ("peak memory follows the largest single weight", plus what calibration must hold):
 
 * decomposition: ``300 MiB + 4 x largest weight`` as ``bench_decompose.py`` states it. Two
-  readings are reported, both fixed before any run: ``largest tensor`` (DESIGN's "largest single
+  readings are reported, both fixed before any run: ``largest tensor`` (the design goal's "largest single
   weight": any tensor the run reads, here the embedding, 1002 MiB at 1b) and the stricter
   ``largest projection`` (what ``bench_decompose.py``'s checkpoint, projections only, measures;
   64 MiB at 1b, gate/up/down);

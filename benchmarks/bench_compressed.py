@@ -53,7 +53,6 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +76,11 @@ VARIANTS = (
     "gguf q4_0",
     "gguf q4_k",
 )
-#: Variant suffixes that serve the same weights another way: the ``attnquant_max._ingraph``
-#: switch turned off during the load, and what the row says.
+#: Variant suffixes that serve the same weights another way: the serving option turned off,
+#: and what the row says.
 LAYOUT_SUFFIXES = {
     " row-major": ("nvfp4_tiled", "row-major layout"),
-    " per-member": ("_nvfp4_merged", "one dispatch per q/k/v and gate/up member"),
+    " per-member": ("nvfp4_merge", "one dispatch per q/k/v and gate/up member"),
 }
 PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
 
@@ -152,11 +151,11 @@ def prepare(
     from attnquant_core import decompose_budget
 
     # Suffixes first: "budget 0.5 custom-op+head" is the budget row with the head in NVFP4.
-    for suffix, (_, said) in LAYOUT_SUFFIXES.items():
+    for suffix, (option, said) in LAYOUT_SUFFIXES.items():
         if variant.endswith(suffix):
             base = variant.removesuffix(suffix)
             path, overrides, how = prepare(base, base_dir, work, shape, forms)
-            return path, overrides, f"{how} ({said})"
+            return path, {**overrides, option: False}, f"{how} ({said})"
     if variant.endswith("+head"):
         base = variant.removesuffix("+head")
         path, overrides, how = prepare(base, base_dir, work, shape, forms)
@@ -171,19 +170,19 @@ def prepare(
         op = variant.endswith("custom-op")
         how = "in graph, " + ("custom op (generated_lowrank)" if op else "GEMM path")
         how += f" (forms {'/'.join(forms)})" if forms else ""
-        return out, {"precompute_outside": False, "gemm": not op}, how
+        return out, {"path": "custom-op" if op else "gemm"}, how
     # The fused op named, not timed at start-up (ATTNQUANT_NVFP4_KERNEL=auto): every run of
     # this benchmark serves the same graph.
     if variant == "nvfp4":
-        overrides = {"quant": "nvfp4", "nvfp4_kernel": "fused"}
-        return base_dir, overrides, "ATTNQUANT_QUANT=nvfp4, fused generated_linear_nvfp4"
+        overrides = {"path": "precompute-outside", "quant": "nvfp4", "nvfp4_kernel": "fused"}
+        return base_dir, overrides, "--quant nvfp4, fused generated_linear_nvfp4"
     if variant == "nvfp4+r16":
         out = work / "nvfp4_r16"
         if not out.exists():
             from attnquant_core import decompose_checkpoint
 
             decompose_checkpoint(base_dir, out, blocks="layers", rank=16, quant="nvfp4")
-        overrides = {"precompute_outside": False, "nvfp4_kernel": "fused"}
+        overrides = {"path": "in-graph", "nvfp4_kernel": "fused"}
         return out, overrides, "in graph, packed W0 + s, U, V in fused generated_linear_nvfp4"
     if variant.startswith("gguf"):
         quant = variant.split()[1]
@@ -199,29 +198,21 @@ def prepare(
 
 def load_variant(variant: str, path: Path, overrides: dict, how: str, common: dict) -> tuple:
     """Load ``variant``; where its in-graph path is refused, fall back to precompute-outside."""
-    from attnquant_max import AttnquantConfig, load_pipeline
+    from attnquant_max import ServingOptions, load_pipeline
 
     if variant.startswith("gguf"):
         quant = variant.split()[1]
         gguf = path / f"model-{quant}.gguf"
         return _stock_loaded(path, gguf, max_length=common["max_length"], encoding=quant), how
-    import attnquant_max._ingraph as ingraph
-
-    saved = {name: getattr(ingraph, name) for name, _ in LAYOUT_SUFFIXES.values()}
-    for suffix, (name, _) in LAYOUT_SUFFIXES.items():
-        if variant.endswith(suffix):  # the graph is built during the load
-            setattr(ingraph, name, lambda *args: False)
+    options = ServingOptions(**{"path": "precompute-outside", **overrides})
     try:
-        return load_pipeline(path, config=replace(AttnquantConfig(), **overrides), **common), how
+        return load_pipeline(path, options=options, **common), how
     except NotImplementedError as exc:
-        if overrides.get("precompute_outside", True):  # not an in-graph request: a real error
+        if options.path == "precompute-outside":  # not an in-graph request: a real error
             raise
         reason = str(exc).split(". ")[0]
-        loaded = load_pipeline(path, config=AttnquantConfig(), **common)
+        loaded = load_pipeline(path, options=ServingOptions(path="precompute-outside"), **common)
         return loaded, f"precompute-outside (in-graph refused: {reason})"
-    finally:
-        for name, value in saved.items():
-            setattr(ingraph, name, value)
 
 
 def main() -> None:
@@ -253,7 +244,7 @@ def main() -> None:
     from attnquant_cli import demo_model_path
     from attnquant_cli._bench import bench_pair, generate_runner, prompt_ids, summarize
     from attnquant_core import machine_load, read_load
-    from attnquant_max import AttnquantConfig, load_pipeline, logit_parity
+    from attnquant_max import ServingOptions, load_pipeline, logit_parity
 
     shape = SHAPES[args.shape]
     proj_params, all_params = shape.parameters()
@@ -276,7 +267,7 @@ def main() -> None:
         "read + write)"
     )
     common = {"max_length": args.prompt_tokens + args.new_tokens + 8, "max_batch_size": 8}
-    base = load_pipeline(base_dir, config=AttnquantConfig(), **common)
+    base = load_pipeline(base_dir, options=ServingOptions(path="precompute-outside"), **common)
     base_bytes = base.weight_bytes or 4 * all_params
     prompt = prompt_ids(base.encode, args.prompt_tokens)
     timed_base, against = base, None

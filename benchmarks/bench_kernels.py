@@ -8,7 +8,7 @@ same on both paths.
 
 * ``custom``: q, k, v, o as four ``generated_linear`` dispatches and the MLP as one
   ``generated_mlp`` (``ATTNQUANT_FUSED_MLP=1``).
-* ``gemm``: the GEMM formulation of ``attnquant_max._layers`` (DESIGN §5.2): per group one matmul
+* ``gemm``: the GEMM formulation of ``attnquant_max._layers`` (docs/serving-paths.md): per group one matmul
   ``x @ W0V^T`` over ``[W0 ; V^T]`` (q/k/v fused, gate/up fused, o and down alone), then the
   block-diagonal up-projection ``@ U^T`` built in the graph from the members' ``U`` as
   ``ThetaStackedLinear`` does, ``s *`` the first columns, ``silu(gate) * up``.

@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 PATHS = {
-    "precompute-outside": {},
-    "gemm (in-graph)": {"precompute_outside": False, "gemm": True},
-    "gemm, no q/k/v fusion": {"precompute_outside": False, "gemm": True, "qkv_fuse": False},
-    "fold in graph (ATTNQUANT_PRECOMPUTE=1)": {"precompute_outside": False, "precompute": True},
-    "custom op": {"precompute_outside": False, "gemm": False},
-    "nvfp4": {"quant": "nvfp4"},
+    "precompute-outside": {"path": "precompute-outside"},
+    "gemm (in-graph)": {"path": "gemm"},
+    "gemm, no q/k/v fusion": {"path": "gemm", "qkv_fuse": False},
+    "fold in graph (--path precompute)": {"path": "precompute"},
+    "custom op": {"path": "custom-op"},
+    "nvfp4": {"path": "precompute-outside", "quant": "nvfp4"},
 }
 
 
@@ -45,28 +44,28 @@ def main() -> None:
     from attnquant_cli import demo_model_path
     from attnquant_cli._bench import bench_pair, generate_runner, prompt_ids, summarize
     from attnquant_core import decompose_checkpoint, machine_load, read_load
-    from attnquant_max import AttnquantConfig, load_pipeline, require_implemented
+    from attnquant_max import ServingOptions, load_pipeline, require_implemented
 
     demo = demo_model_path()
     work = Path(tempfile.mkdtemp(prefix="aq-bench-paths-"))
     theta_dir = work / "theta"
     decompose_checkpoint(demo, theta_dir, blocks=args.blocks, rank=args.rank)
     common = {"max_length": 512, "max_batch_size": 8}
-    base = load_pipeline(demo, config=AttnquantConfig(), **common)
+    base = load_pipeline(demo, options=ServingOptions(path="precompute-outside"), **common)
     prompt = prompt_ids(base.encode, 128)
 
     results: dict[str, dict] = {}
     for name, overrides in PATHS.items():
         if args.only and name not in args.only:
             continue
-        config = replace(AttnquantConfig(), **overrides)
+        config = ServingOptions(**overrides)
         try:
             require_implemented(config)
         except NotImplementedError as exc:
             results[name] = {"status": "not implemented", "reason": str(exc)}
             print(f"{name:<40} not implemented")
             continue
-        theta = load_pipeline(theta_dir, config=config, **common)
+        theta = load_pipeline(theta_dir, options=config, **common)
         try:
             before = read_load()
             runs = bench_pair(

@@ -98,7 +98,7 @@ def compress(
     return out, stored
 
 
-#: ``attnquant verify``'s prompts (shared with the CLI) and thresholds (DESIGN §5).
+#: ``attnquant verify``'s prompts (shared with the CLI) and thresholds (docs/serving-paths.md).
 VERIFY_NEW_TOKENS, VERIFY_MAX_DELTA, VERIFY_MIN_AGREEMENT = 32, 1.0, 0.9
 
 

@@ -86,11 +86,11 @@ def demo_graph(demo: Path) -> None:
     """
     if os.environ.get("PYTEST_XDIST_TESTRUNUID") is None:
         return
-    from attnquant_max import AttnquantConfig, load_pipeline
+    from attnquant_max import ServingOptions, load_pipeline
     from attnquant_max.testing import graph_lock
 
-    config = AttnquantConfig()
-    with graph_lock("demo"), load_pipeline(demo, max_length=512, max_batch_size=8, config=config):
+    options = ServingOptions(path="precompute-outside")
+    with graph_lock("demo"), load_pipeline(demo, max_length=512, max_batch_size=8, options=options):
         pass
 
 

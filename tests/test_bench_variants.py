@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from attnquant_core.serving import ServingOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_compressed
@@ -28,28 +30,33 @@ def work(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("variant", "path", "overrides"),
     [
-        ("budget 0.5", "budget_0.5", {"precompute_outside": False, "gemm": True}),
-        ("budget 0.5 custom-op", "budget_0.5", {"precompute_outside": False, "gemm": False}),
+        ("budget 0.5", "budget_0.5", {"path": "gemm"}),
+        ("budget 0.5 custom-op", "budget_0.5", {"path": "custom-op"}),
         (
             "budget 0.5 custom-op+head",
             "budget_0.5",
-            {
-                "precompute_outside": False,
-                "gemm": False,
-                "quant_head": True,
-                "nvfp4_kernel": "fused",
-            },
+            {"path": "custom-op", "quant_head": True, "nvfp4_kernel": "fused"},
         ),
-        ("nvfp4", "base", {"quant": "nvfp4", "nvfp4_kernel": "fused"}),
+        (
+            "nvfp4",
+            "base",
+            {"path": "precompute-outside", "quant": "nvfp4", "nvfp4_kernel": "fused"},
+        ),
         (
             "nvfp4+head per-member",
             "base",
-            {"quant": "nvfp4", "nvfp4_kernel": "fused", "quant_head": True},
+            {
+                "path": "precompute-outside",
+                "quant": "nvfp4",
+                "nvfp4_kernel": "fused",
+                "quant_head": True,
+                "nvfp4_merge": False,
+            },
         ),
         (
             "nvfp4+r16 row-major",
             "nvfp4_r16",
-            {"precompute_outside": False, "nvfp4_kernel": "fused"},
+            {"path": "in-graph", "nvfp4_kernel": "fused", "nvfp4_tiled": False},
         ),
     ],
 )
@@ -61,6 +68,7 @@ def test_every_variant_serves_its_checkpoint_and_config(
     got_path, got, how = bench_compressed.prepare(variant, base, work, shape=None)
     assert got_path == (base if path == "base" else work / path)
     assert got == overrides
+    ServingOptions(**got)  # every override is a serving option
     if variant.endswith("+head") or "+head " in variant:
         assert "head NVFP4 too" in how
     for suffix, (_, said) in bench_compressed.LAYOUT_SUFFIXES.items():

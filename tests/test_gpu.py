@@ -446,9 +446,9 @@ def gemma_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from max.pipelines.architectures.gemma3 import gemma3_arch
 
     from attnquant_max import (
-        AttnquantConfig,
         LoadedModel,
         ParityReport,
+        ServingOptions,
         greedy_generate,
         greedy_logprobs,
         load_pipeline,
@@ -484,7 +484,10 @@ def gemma_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
         for name in ("passthrough", "g1r16"):
             with load_pipeline(
-                paths[name], devices="gpu", config=AttnquantConfig(), **GEMMA_SERVING
+                paths[name],
+                devices="gpu",
+                options=ServingOptions(path="precompute-outside"),
+                **GEMMA_SERVING,
             ) as theta:
                 scores = [
                     greedy_logprobs(theta, p, c) for p, c in zip(GEMMA_PROMPTS, tokens, strict=True)

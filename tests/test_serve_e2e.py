@@ -47,8 +47,11 @@ def test_served_theta_gives_the_stock_models_greedy_tokens(demo, theta_dir, serv
 
 
 def _verify(base, theta, tmp_path, capsys) -> tuple[int, dict, str]:
+    """``attnquant verify`` on the stock graph (the cached demo graph), whatever the checkpoint:
+    a compressed one would be served in the graph by default (tests/test_budget_default.py)."""
     report = tmp_path / "verify.json"
-    code = cli(["verify", str(base), str(theta), "-o", str(report)])
+    argv = ["verify", str(base), str(theta), "-o", str(report), "--path", "precompute-outside"]
+    code = cli(argv)
     return code, json.loads(report.read_text()), capsys.readouterr().out
 
 

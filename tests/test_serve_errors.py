@@ -1,4 +1,4 @@
-"""Bad input to `attnquant serve` fails at start-up, before MAX builds anything (DESIGN §7)."""
+"""Bad input to `attnquant serve` fails at start-up, before MAX builds anything (docs/architecture.md)."""
 
 from __future__ import annotations
 

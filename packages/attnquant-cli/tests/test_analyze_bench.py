@@ -196,7 +196,7 @@ def fake_max(monkeypatch):
     loaded: list[_FakeLoaded] = []
     count = iter(range(10_000))
 
-    def load_pipeline(path, *, config, **kwargs):
+    def load_pipeline(path, *, options, **kwargs):
         model = _FakeLoaded(path, speeds.get(path.name, 1.0))
         loaded.append(model)
         return model
@@ -211,7 +211,7 @@ def fake_max(monkeypatch):
             return "path: fake"
 
     monkeypatch.setattr(attnquant_max, "load_pipeline", load_pipeline)
-    monkeypatch.setattr(attnquant_max, "plan_serving", lambda path, config: Plan())
+    monkeypatch.setattr(attnquant_max, "plan_serving", lambda path, options: Plan())
     # The fake checkpoints hold no tensors; bench's digest check is tested in the reliability suite.
     monkeypatch.setenv("ATTNQUANT_VERIFY_DIGESTS", "0")
     monkeypatch.setattr(_bench, "measure", measure)

@@ -1,4 +1,4 @@
-"""Reading Hugging Face checkpoints: layouts, dtypes, prefixes and every bad input of DESIGN §7."""
+"""Reading Hugging Face checkpoints: layouts, dtypes, prefixes and every bad input of docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -84,9 +84,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def load_tiny(path: Path, config: Any = None) -> Any:
     """:func:`attnquant_max.testing.load_tiny`, one worker at a time per graph: the stock graph
     (``config=None``, any checkpoint served at precompute-outside) or an execution path's."""
-    from attnquant_max import AttnquantConfig
+    from attnquant_max import ServingOptions
 
-    with graph_lock(repr(AttnquantConfig() if config is None else config)):
+    with graph_lock(repr(ServingOptions(path="precompute-outside") if config is None else config)):
         return _load_tiny(path, config)
 
 

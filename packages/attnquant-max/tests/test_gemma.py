@@ -33,7 +33,7 @@ from attnquant_core.tiny_gemma import (
     write_tiny_gemma3_conditional,
     write_tiny_gemma4,
 )
-from attnquant_max import AttnquantConfig, WeightKeyError, config_override, plan_serving
+from attnquant_max import ServingOptions, WeightKeyError, plan_serving
 from attnquant_max._config import GPU_ONLY_ARCHITECTURES, DeviceError, require_device
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -158,10 +158,14 @@ def _stock_state(name: str, max_archs: dict[str, Any], path: Path) -> dict[str, 
     return _load_language(G3 if name.startswith("Gemma3") else G4, path, path)
 
 
-def _load_language(cls: type, weights_path: Path, model_path: Path) -> dict[str, Any]:
+def _load_language(
+    cls: type, weights_path: Path, model_path: Path, adapter: Any = None
+) -> dict[str, Any]:
     """The language weights ``cls._load_state_dict`` sets, on an instance built without
-    ``__init__`` (which would compile nothing but needs a device): only what the load reads."""
+    ``__init__`` (which would compile nothing but needs a device): only what the load reads,
+    and the adapter MAX would hand it (ours carries the serving options)."""
     model = cls.__new__(cls)
+    model.adapter = adapter
     model.weights = _weights(weights_path)
     model.pipeline_config = _pipeline_config(model_path)
     model.max_batch_size = 1
@@ -169,19 +173,24 @@ def _load_language(cls: type, weights_path: Path, model_path: Path) -> dict[str,
     return model._language_weights_dict
 
 
-def _our_state(name: str, max_archs: dict[str, Any], path: Path) -> dict[str, Any]:
-    """What our architecture of the same name hands MAX for the checkpoint at ``path``."""
-    arch = max_archs[name]
-    if name == "Gemma3ForCausalLM":
-        from max.graph.weights import WeightsFormat
+def _our_state(
+    name: str, max_archs: dict[str, Any], path: Path, options: ServingOptions
+) -> dict[str, Any]:
+    """What our architecture of the same name, bound to ``options``, hands MAX for the
+    checkpoint at ``path``."""
+    from max.graph.weights import WeightsFormat
 
-        adapter = arch.weight_adapters[WeightsFormat.safetensors]
+    from attnquant_max._architectures import build_architectures
+
+    arch = {a.name: a for a in build_architectures(options)}[name]
+    adapter = arch.weight_adapters[WeightsFormat.safetensors]
+    if name == "Gemma3ForCausalLM":
         return adapter(
             dict(_weights(path).items()),
             huggingface_config=_hf_config(path),
             pipeline_config=_pipeline_config(path),
         )
-    return _load_language(arch.pipeline_model, path, path)
+    return _load_language(arch.pipeline_model, path, path, adapter)
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -190,16 +199,21 @@ def test_passthrough_hands_max_what_the_stock_adapter_makes(
 ) -> None:
     stock = _stock_state(name, max_archs, dense[name])
     assert stock, "the stock adapter kept nothing"
-    with config_override(AttnquantConfig()):
-        _assert_same(_our_state(name, max_archs, passthrough[name]), stock)
-        _assert_same(_our_state(name, max_archs, dense[name]), stock)  # dense, unchanged
+    _assert_same(
+        _our_state(name, max_archs, passthrough[name], ServingOptions(path="precompute-outside")),
+        stock,
+    )
+    _assert_same(
+        _our_state(name, max_archs, dense[name], ServingOptions(path="precompute-outside")), stock
+    )  # dense, unchanged
     if name.startswith("Gemma4"):  # and after MAX's q/k/v, gate/up fusion
         from max.pipelines.architectures.gemma4.weight_adapters import (
             fuse_gemma4_projection_weights,
         )
 
-        with config_override(AttnquantConfig()):
-            ours = _our_state(name, max_archs, passthrough[name])
+        ours = _our_state(
+            name, max_archs, passthrough[name], ServingOptions(path="precompute-outside")
+        )
         _assert_same(fuse_gemma4_projection_weights(ours), fuse_gemma4_projection_weights(stock))
 
 
@@ -211,8 +225,9 @@ def test_gemma4_31b_shape_at_passthrough_is_handed_over_unchanged(
     name = "Gemma4ForConditionalGeneration"
     stock = _stock_state(name, max_archs, path)
     assert "layers.1.self_attn.v_proj.weight" not in stock
-    with config_override(AttnquantConfig()):
-        _assert_same(_our_state(name, max_archs, path), stock)
+    _assert_same(
+        _our_state(name, max_archs, path, ServingOptions(path="precompute-outside")), stock
+    )
 
 
 @pytest.fixture(scope="module")
@@ -238,12 +253,17 @@ def test_gemma4_31b_shape_theta_at_passthrough_is_what_the_stock_adapter_makes(
     name = "Gemma4ForConditionalGeneration"
     stock = _stock_state(name, max_archs, gemma4_31b)
     assert "layers.1.self_attn.v_proj.weight" not in stock
-    with config_override(AttnquantConfig()):
-        plan = plan_serving(theta)
-        assert plan.source == "theta" and plan.passthrough and plan.num_layers == 4
-        _assert_same(_our_state(name, max_archs, theta), stock)
-    with config_override(AttnquantConfig(blocks="layers")):
-        _assert_same(_our_state(name, max_archs, theta), stock)
+    plan = plan_serving(theta, ServingOptions(path="precompute-outside"))
+    assert plan.source == "theta" and plan.passthrough and plan.num_layers == 4
+    _assert_same(
+        _our_state(name, max_archs, theta, ServingOptions(path="precompute-outside")), stock
+    )
+    _assert_same(
+        _our_state(
+            name, max_archs, theta, ServingOptions(path="precompute-outside", blocks="layers")
+        ),
+        stock,
+    )
 
 
 @pytest.mark.parametrize("blocks", [1, 2])
@@ -256,9 +276,15 @@ def test_gemma4_31b_shape_banded_theta_hands_max_cores_rebuild(
     name = "Gemma4ForConditionalGeneration"
     stock = _stock_state(name, max_archs, gemma4_31b)
     rebuilt = dict(ThetaCheckpoint.open(theta).rebuilt_state())
-    with config_override(AttnquantConfig(blocks=blocks)):
-        ours = _our_state(name, max_archs, theta)
-        assert dict(plan_serving(theta).state()).keys() == rebuilt.keys()
+    ours = _our_state(
+        name, max_archs, theta, ServingOptions(path="precompute-outside", blocks=blocks)
+    )
+    assert (
+        dict(
+            plan_serving(theta, ServingOptions(path="precompute-outside", blocks=blocks)).state()
+        ).keys()
+        == rebuilt.keys()
+    )
     assert sorted(ours) == sorted(stock)
     by_suffix = {_projection_suffix(k): a for k, a in rebuilt.items() if _projection_suffix(k)}
     checked = 0
@@ -276,10 +302,12 @@ def test_gemma4_31b_shape_banded_theta_hands_max_cores_rebuild(
 def test_gemma4_31b_shape_dense_decomposed_at_load(gemma4_31b: Path) -> None:
     """A dense checkpoint of the 31B shape served at G < L is decomposed at load like core's
     rebuild_dense_state; at passthrough it is handed over unchanged."""
-    with config_override(AttnquantConfig()):
-        assert plan_serving(gemma4_31b).passthrough
-    with config_override(AttnquantConfig(blocks=2, rank=4)):
-        state = dict(plan_serving(gemma4_31b).state())
+    assert plan_serving(gemma4_31b, ServingOptions(path="precompute-outside")).passthrough
+    state = dict(
+        plan_serving(
+            gemma4_31b, ServingOptions(path="precompute-outside", blocks=2, rank=4)
+        ).state()
+    )
     expected = dict(rebuild_dense_state(gemma4_31b, blocks=2, rank=4))
     assert state.keys() == expected.keys()
     for key, array in expected.items():
@@ -290,25 +318,19 @@ def test_gemma4_31b_shape_theta_with_wrong_blocks_is_refused_naming_layers(
     gemma4_31b: Path, tmp_path: Path
 ) -> None:
     decompose_checkpoint(gemma4_31b, tmp_path / "theta", blocks=2, rank=2)
-    with (
-        config_override(AttnquantConfig(blocks=1)),
-        pytest.raises(BandMismatchError, match=r"blocks=2.*blocks=1.*layers \["),
-    ):
-        plan_serving(tmp_path / "theta")
+    with pytest.raises(BandMismatchError, match=r"blocks=2.*blocks=1.*layers \["):
+        plan_serving(tmp_path / "theta", ServingOptions(path="precompute-outside", blocks=1))
 
 
 def test_gemma4_31b_shape_in_graph_is_refused_in_one_line(gemma4_31b: Path, tmp_path: Path) -> None:
     """The in-graph paths hold one band layout per family; grouped families are named."""
     decompose_checkpoint(gemma4_31b, tmp_path / "theta", blocks=2, rank=2)
-    in_graph = AttnquantConfig(blocks=2, precompute_outside=False, gemm=True)
+    in_graph = ServingOptions(path="gemm", blocks=2)
     for path in (gemma4_31b, tmp_path / "theta"):
-        with (
-            config_override(in_graph),
-            pytest.raises(
-                NotImplementedError, match=r"q_proj@full_attention.*ATTNQUANT_PRECOMPUTE_OUTSIDE=1"
-            ) as info,
-        ):
-            plan_serving(path)
+        with pytest.raises(
+            NotImplementedError, match=r"q_proj@full_attention.*--path precompute-outside"
+        ) as info:
+            plan_serving(path, in_graph)
         assert "\n" not in str(info.value)
 
 
@@ -317,9 +339,8 @@ def test_banded_theta_is_rebuilt_before_the_stock_adapter(
     name: str, max_archs: dict[str, Any], dense: dict[str, Path], banded: dict[str, Path]
 ) -> None:
     stock = _stock_state(name, max_archs, dense[name])
-    with config_override(AttnquantConfig()):
-        ours = _our_state(name, max_archs, banded[name])
-        rebuilt = dict(plan_serving(banded[name]).state())
+    ours = _our_state(name, max_archs, banded[name], ServingOptions(path="precompute-outside"))
+    rebuilt = dict(plan_serving(banded[name], ServingOptions(path="precompute-outside")).state())
     assert sorted(ours) == sorted(stock)
     projections = [k for k in stock if k.endswith("q_proj.weight")]
     assert projections and any(_raw(ours[k]) != _raw(stock[k]) for k in projections)
@@ -347,8 +368,10 @@ def _drop(directory: Path, key: str) -> None:
 def test_wrong_blocks_is_refused_naming_the_layers(
     name: str, max_archs: dict[str, Any], banded: dict[str, Path]
 ) -> None:
-    with config_override(AttnquantConfig(blocks=1)), pytest.raises(BandMismatchError) as info:
-        _our_state(name, max_archs, banded[name])
+    with pytest.raises(BandMismatchError) as info:
+        _our_state(
+            name, max_archs, banded[name], ServingOptions(path="precompute-outside", blocks=1)
+        )
     assert "layers [2, 3] have no band-compatible W0" in str(info.value)
     assert "ATTNQUANT_BLOCKS" in str(info.value)
 
@@ -360,8 +383,8 @@ def test_missing_tensor_is_refused_naming_it(
     broken = shutil.copytree(banded[name], tmp_path / "broken")
     missing = f"{STACKS[name]}.2.post_feedforward_layernorm.weight"
     _drop(broken, missing)
-    with config_override(AttnquantConfig()), pytest.raises(WeightKeyError) as info:
-        _our_state(name, max_archs, broken)
+    with pytest.raises(WeightKeyError) as info:
+        _our_state(name, max_archs, broken, ServingOptions(path="precompute-outside"))
     assert missing in str(info.value) and "zeros" in str(info.value)
 
 
@@ -371,8 +394,8 @@ def test_missing_theta_tensor_is_refused_naming_the_layer(
 ) -> None:
     broken = shutil.copytree(banded[name], tmp_path / "broken")
     _drop(broken, f"{STACKS[name]}.3.mlp.up_proj.theta_V")
-    with config_override(AttnquantConfig()), pytest.raises(BandMismatchError) as info:
-        _our_state(name, max_archs, broken)
+    with pytest.raises(BandMismatchError) as info:
+        _our_state(name, max_archs, broken, ServingOptions(path="precompute-outside"))
     assert "mlp.up_proj layer 3" in str(info.value)
 
 
@@ -386,12 +409,12 @@ def test_leftover_theta_keys_are_refused_naming_them(
     manifest = json.loads((broken / "attnquant.json").read_text())
     del manifest["families"]["mlp.up_proj"]
     (broken / "attnquant.json").write_text(json.dumps(manifest))
-    with config_override(AttnquantConfig()), pytest.raises(ThetaFormatError) as info:
-        _our_state(name, max_archs, broken)
+    with pytest.raises(ThetaFormatError) as info:
+        _our_state(name, max_archs, broken, ServingOptions(path="precompute-outside"))
     assert f"{STACKS[name]}.1.mlp.up_proj.theta_s" in str(info.value)
     (broken / "attnquant.json").unlink()
-    with config_override(AttnquantConfig()), pytest.raises(WeightKeyError) as info:
-        _our_state(name, max_archs, broken)
+    with pytest.raises(WeightKeyError) as info:
+        _our_state(name, max_archs, broken, ServingOptions(path="precompute-outside"))
     assert f"{STACKS[name]}.0.self_attn.k_proj.theta_U" in str(info.value)  # listed by name
     assert "no attnquant.json" in str(info.value)
 
@@ -401,8 +424,13 @@ def test_dense_gemma4_missing_a_layer_weight_is_refused(
 ) -> None:
     path = write_tiny_gemma4(tmp_path / "g4")
     _drop(path, "model.language_model.layers.3.self_attn.k_norm.weight")
-    with config_override(AttnquantConfig()), pytest.raises(WeightKeyError, match=r"layers\.3\."):
-        _our_state("Gemma4ForConditionalGeneration", max_archs, path)
+    with pytest.raises(WeightKeyError, match=r"layers\.3\."):
+        _our_state(
+            "Gemma4ForConditionalGeneration",
+            max_archs,
+            path,
+            ServingOptions(path="precompute-outside"),
+        )
 
 
 # -- devices ------------------------------------------------------------------------------------

@@ -28,9 +28,8 @@ from typing import Any
 import pytest
 
 from attnquant_max import (
-    AttnquantConfig,
     LoadedModel,
-    config_override,
+    ServingOptions,
     count_matmuls,
     decoder_graph,
     greedy_generate,
@@ -45,9 +44,9 @@ from .conftest import HIDDEN, LAYERS, load_tiny
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemm")]
 
 PROMPTS = ["hello world", "The quick brown fox", "attnquant"]
-GEMM = AttnquantConfig(precompute_outside=False, gemm=True)
-PRECOMPUTE = AttnquantConfig(precompute=True)
-CUSTOM = AttnquantConfig(precompute_outside=False, gemm=False)
+GEMM = ServingOptions(path="gemm")
+PRECOMPUTE = ServingOptions(path="precompute")
+CUSTOM = ServingOptions(path="custom-op")
 PATHS = {"gemm": GEMM, "precompute": PRECOMPUTE, "custom": CUSTOM}
 
 
@@ -110,10 +109,10 @@ def test_gemm_path_is_logged_once(tiny_theta: Path, caplog: pytest.LogCaptureFix
     plan = plan_serving(tiny_theta, GEMM)
     with caplog.at_level(logging.INFO, logger="attnquant_max"):
         line = log_serving_path(plan)
-    assert "GEMM formulation" in line and "ATTNQUANT_GEMM=1" in line
+    assert "GEMM formulation" in line and "--path gemm" in line
 
 
-def _per_layer(config: AttnquantConfig, loaded: LoadedModel) -> tuple[float, int, int]:
+def _per_layer(config: ServingOptions, loaded: LoadedModel) -> tuple[float, int, int]:
     graph, weight_bytes = decoder_graph(loaded, config)
     total = sum(count_matmuls(graph).values())
     return (total - 1) / LAYERS, total, weight_bytes  # 1: the LM head
@@ -151,12 +150,11 @@ def test_budget_checkpoint_on_the_gemm_path_holds_its_stored_bytes(tiny_budget: 
     with load_tiny(tiny_budget) as outside:
         graph, nbytes = decoder_graph(outside, GEMM)
         pm = _pipeline_model(outside)
-        with config_override(GEMM):
-            state = pm.adapter(
-                dict(pm.weights.items()),
-                huggingface_config=pm.huggingface_config,
-                pipeline_config=pm.pipeline_config,
-            )
+        state = dataclasses.replace(pm.adapter, options=GEMM)(
+            dict(pm.weights.items()),
+            huggingface_config=pm.huggingface_config,
+            pipeline_config=pm.pipeline_config,
+        )
     assert nbytes == gemm_weight_bytes(tiny_budget)
     layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
     assert layout is not None and layout.gemm
@@ -184,7 +182,7 @@ def test_matmuls_per_layer_and_weight_bytes(
 ) -> None:
     """Read from the traced IR: the table of the closing note."""
     rows = {
-        "precompute-outside": _per_layer(AttnquantConfig(), outside_bundle),
+        "precompute-outside": _per_layer(ServingOptions(path="precompute-outside"), outside_bundle),
         "gemm, fused": _per_layer(GEMM, outside_bundle),
         "gemm, unfused": _per_layer(dataclasses.replace(GEMM, qkv_fuse=False), outside_bundle),
         "precompute in graph, fused": _per_layer(PRECOMPUTE, outside_bundle),

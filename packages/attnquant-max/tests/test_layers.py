@@ -180,8 +180,8 @@ def _add_variants(
     from max.dtype import DType
     from max.graph import DeviceRef
 
+    from attnquant_max._adapter import weight_data_from_numpy
     from attnquant_max._layers import ThetaBuilder
-    from attnquant_max._weights import weight_data_from_numpy
 
     dtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[dtype_name]
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype_name]
@@ -237,8 +237,8 @@ def _add_forms(root: Any, state: dict[str, Any], families: dict[str, Any]) -> di
     from max.dtype import DType
     from max.graph import DeviceRef
 
+    from attnquant_max._adapter import weight_data_from_numpy
     from attnquant_max._layers import ThetaBuilder
-    from attnquant_max._weights import weight_data_from_numpy
 
     branch = _Holder.make()
     root.forms = branch
@@ -300,8 +300,8 @@ def _add_nvfp4(root: Any, state: dict[str, Any], quantized: dict[str, Any]) -> A
     from max.dtype import DType
     from max.graph import DeviceRef
 
+    from attnquant_max._adapter import weight_data_from_numpy
     from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
-    from attnquant_max._weights import weight_data_from_numpy
 
     cpu = DeviceRef.CPU()
     branch = _Holder.make()
@@ -343,9 +343,9 @@ def _nvfp4_theta_branch(
     from max.graph import DeviceRef
 
     from attnquant_max import dequantize_nvfp4, quantize_nvfp4
+    from attnquant_max._adapter import weight_data_from_numpy
     from attnquant_max._layers import ThetaSharedBlocks
     from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
-    from attnquant_max._weights import weight_data_from_numpy
 
     cpu, rng = DeviceRef.CPU(), np.random.default_rng(3)
     branch, bank = _Holder.make(), ThetaSharedBlocks()

@@ -17,13 +17,12 @@ import pytest
 from attnquant_core import BandMismatchError
 from attnquant_max import (
     NEAR_TIE,
-    AttnquantConfig,
     LoadedModel,
     ParityReport,
+    ServingOptions,
     ThetaWeightAdapter,
     TokenScores,
     WeightKeyError,
-    config_override,
     greedy_generate,
     greedy_logprobs,
     logit_parity,
@@ -42,7 +41,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
 
 
-def _load(path: Path, config: AttnquantConfig | None = None) -> LoadedModel:
+def _load(path: Path, config: ServingOptions | None = None) -> LoadedModel:
     return load_tiny(path, config)
 
 
@@ -133,19 +132,19 @@ def test_adapter_decomposes_a_dense_checkpoint_at_load(
     """The wrapped Llama adapter, driven by MAX's own pipeline config, with G=1, r=8."""
     from max.graph.weights import WeightsFormat, load_weights
 
-    from attnquant_max.attnquant_architectures import ARCHITECTURES
+    from attnquant_max._architectures import build_architectures
 
-    arch = next(a for a in ARCHITECTURES if a.name == "LlamaForCausalLM")
+    options = ServingOptions(path="precompute-outside", blocks=1, rank=8)
+    arch = next(a for a in build_architectures(options) if a.name == "LlamaForCausalLM")
     adapter = arch.weight_adapters[WeightsFormat.safetensors]
     pipeline_config = dense_model.model.pipeline_config
     weights = load_weights([tiny_dense / "model.safetensors"])
-    with config_override(AttnquantConfig(blocks=1, rank=8)):
-        out = adapter(
-            dict(weights.items()),
-            huggingface_config=pipeline_config.model.huggingface_config,
-            pipeline_config=pipeline_config,
-        )
-    expected = dict(plan_serving(tiny_theta_g1, AttnquantConfig()).state())
+    out = adapter(
+        dict(weights.items()),
+        huggingface_config=pipeline_config.model.huggingface_config,
+        pipeline_config=pipeline_config,
+    )
+    expected = dict(plan_serving(tiny_theta_g1, ServingOptions(path="precompute-outside")).state())
     assert len(out) == len(expected)
     for key, array in expected.items():
         got = np.from_dlpack(out[key.removeprefix("model.")].data)

@@ -15,7 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnquant_max import AttnquantConfig, LoadedModel, greedy_generate, greedy_logprobs
+from attnquant_max import (
+    LoadedModel,
+    ServingOptions,
+    greedy_generate,
+    greedy_logprobs,
+    plan_serving,
+)
+from attnquant_max._describe import NVFP4_HEAD
 from attnquant_max._nvfp4 import (
     BLOCK_SIZE,
     NVFP4Error,
@@ -23,7 +30,6 @@ from attnquant_max._nvfp4 import (
     quantize_nvfp4,
 )
 from attnquant_max._nvfp4_layers import E2M1_PAIR_TABLE
-from attnquant_max._weights import NVFP4_HEAD, plan_serving
 
 from .conftest import LAYERS, PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
 
@@ -31,7 +37,7 @@ pytestmark = pytest.mark.xdist_group("nvfp4")  # one worker loads the NVFP4 mode
 
 # The dequantize-in-graph form, chosen explicitly so that CI compiles one known graph (auto
 # times both at start-up and may pick either on the tiny shapes); test_nvfp4_kernel forces fused.
-NVFP4 = AttnquantConfig(quant="nvfp4", nvfp4_kernel="dequantize")
+NVFP4 = ServingOptions(path="precompute-outside", quant="nvfp4", nvfp4_kernel="dequantize")
 PROMPTS = ["hello world", "The quick brown fox"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -134,10 +140,8 @@ def test_a_tied_head_is_quantized_from_the_embedding_table(tmp_path: Path) -> No
 
 def test_quant_head_in_the_stock_graph_is_refused(tiny_dense: Path) -> None:
     """Precompute-outside without ``ATTNQUANT_QUANT`` serves MAX's stock graph: no NVFP4 head."""
-    with pytest.raises(
-        NotImplementedError, match=r"ATTNQUANT_QUANT_HEAD=1.*ATTNQUANT_PRECOMPUTE_OUTSIDE=0"
-    ):
-        plan_serving(tiny_dense, AttnquantConfig(quant_head=True))
+    with pytest.raises(NotImplementedError, match=r"ATTNQUANT_QUANT_HEAD=1.*in-graph path"):
+        plan_serving(tiny_dense, ServingOptions(path="precompute-outside", quant_head=True))
 
 
 def test_quant_head_on_an_in_graph_path_quantizes_the_head_beside_float_theta(
@@ -145,7 +149,7 @@ def test_quant_head_on_an_in_graph_path_quantizes_the_head_beside_float_theta(
 ) -> None:
     """In the graph the head is NVFP4 beside float forms too: the theta state's head is the
     reference quantizer's three tensors, the projections' theta tensors float as without it."""
-    config = AttnquantConfig(quant_head=True, precompute_outside=False, gemm=False)
+    config = ServingOptions(path="custom-op", quant_head=True)
     plan = plan_serving(tiny_dense, config)
     assert plan.head_nvfp4 and plan.describe().endswith(NVFP4_HEAD)
     state = dict(plan.theta_state())

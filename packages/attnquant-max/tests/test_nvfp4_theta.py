@@ -45,9 +45,8 @@ from attnquant_core import (
 )
 from attnquant_core.forms import FamilyTheta
 from attnquant_kernels.layout import cpu_prefers_tiled
-from attnquant_max import AttnquantConfig, LoadedModel, count_matmuls, decoder_graph
+from attnquant_max import LoadedModel, ServingOptions, count_matmuls, decoder_graph, plan_serving
 from attnquant_max._layout import InGraphLayout
-from attnquant_max._weights import plan_serving
 from attnquant_max.testing import VOCAB
 
 from .conftest import HIDDEN, LAYERS, PROJECTIONS, load_tiny
@@ -58,7 +57,7 @@ pytestmark = pytest.mark.xdist_group("nvfp4-theta")  # one worker: the graph, an
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # The kernel named explicitly, so that CI compiles one known graph (auto times both forms).
-FUSED = AttnquantConfig(precompute_outside=False, nvfp4_kernel="fused")
+FUSED = ServingOptions(path="in-graph", nvfp4_kernel="fused")
 #: The op a fused CPU graph names: on AVX-512 the tiled layout's (``nvfp4_tiled``).
 FUSED_OP = f'"generated_linear_nvfp4{"_tiled" if cpu_prefers_tiled() else ""}"'
 DEQUANTIZE = replace(FUSED, nvfp4_kernel="dequantize")
@@ -178,7 +177,7 @@ def test_in_graph_plan_serves_the_packed_w0_and_says_so(tiny_v4: Path) -> None:
     line = plan.describe()
     assert "NVFP4 W0 held packed as stored" in line and "one copy per band" in line
     assert "generated_linear_nvfp4(x, W0_packed, W0_scale, W0_scale_2, s, U, V)" in line
-    assert "ATTNQUANT_NVFP4_KERNEL=fused" in line and f"r={RANK}" in line
+    assert "--nvfp4-kernel fused" in line and f"r={RANK}" in line
     assert "dequantized in the graph" in plan_serving(tiny_v4, DEQUANTIZE).describe()
 
 
@@ -186,7 +185,7 @@ def test_quant_nvfp4_on_a_quantized_checkpoint_serves_it_as_stored(tiny_v4: Path
     """``ATTNQUANT_QUANT=nvfp4`` asks for a 4-bit model; the checkpoint is one. Quantizing its
     ``W_eff = s Q(W0) + U V^T`` again would quantize the correction of Q's error away, so the
     stored ``W0`` is served packed with ``s``, ``U``, ``V``: the same plan as in the graph."""
-    quant = AttnquantConfig(quant="nvfp4", nvfp4_kernel="fused")
+    quant = ServingOptions(path="precompute-outside", quant="nvfp4", nvfp4_kernel="fused")
     plan = plan_serving(tiny_v4, quant)
     assert plan.nvfp4_w0 and plan.path == "gemm" and not plan.quantized
     assert "not quantized twice" in plan.describe()
@@ -197,7 +196,7 @@ def test_quant_nvfp4_on_a_quantized_checkpoint_serves_it_as_stored(tiny_v4: Path
 
 
 def test_precompute_outside_still_rebuilds_dense(tiny_v4: Path) -> None:
-    plan = plan_serving(tiny_v4, AttnquantConfig())
+    plan = plan_serving(tiny_v4, ServingOptions(path="precompute-outside"))
     assert not plan.nvfp4_w0 and not plan.in_graph and plan.path == "precompute-outside"
     assert "rebuilt once at load" in plan.describe()
 
@@ -206,33 +205,36 @@ def test_precompute_outside_still_rebuilds_dense(tiny_v4: Path) -> None:
     ("config", "match"),
     [
         (
-            AttnquantConfig(precompute_outside=False, gemm=False),
-            r"stores W0 in NVFP4 \(.*self_attn\.q_proj.*\); the custom-op path \(ATTNQUANT_GEMM=0"
-            r".*Unset ATTNQUANT_GEMM \(or set it to 1\)",
+            ServingOptions(path="custom-op"),
+            r"stores W0 in NVFP4 \(.*self_attn\.q_proj.*\); the custom-op path \(--path custom-op"
+            r".*Pass --path gemm \(or auto\)",
         ),
         (
-            AttnquantConfig(precompute=True),
-            r"stores W0 in NVFP4.*ATTNQUANT_PRECOMPUTE=1.*Set ATTNQUANT_PRECOMPUTE=0 and "
-            r"ATTNQUANT_PRECOMPUTE_OUTSIDE=0",
+            ServingOptions(path="precompute"),
+            r"stores W0 in NVFP4.*--path precompute.*Pass --path gemm to serve W0 packed",
         ),
         (
-            AttnquantConfig(quant="nvfp4", precompute=True),
-            r"in-graph precompute \(ATTNQUANT_PRECOMPUTE=1\)",
+            ServingOptions(path="precompute", quant="nvfp4"),
+            r"in-graph precompute \(--path precompute\)",
         ),
     ],
     ids=["custom-op", "precompute", "quant-precompute"],
 )
 def test_paths_that_would_dequantize_w0_are_refused(
-    tiny_v4: Path, config: AttnquantConfig, match: str
+    tiny_v4: Path, config: ServingOptions, match: str
 ) -> None:
     with pytest.raises(NotImplementedError, match=match) as info:
         plan_serving(tiny_v4, config)
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("config", [FUSED, AttnquantConfig(quant="nvfp4")], ids=["gemm", "quant"])
+@pytest.mark.parametrize(
+    "config",
+    [FUSED, ServingOptions(path="precompute-outside", quant="nvfp4")],
+    ids=["gemm", "quant"],
+)
 def test_a_mixed_checkpoint_is_planned_in_one_graph_and_says_what_each_form_runs_as(
-    tiny_mixed: Path, config: AttnquantConfig
+    tiny_mixed: Path, config: ServingOptions
 ) -> None:
     """NVFP4-W0 families beside low rank and shared basis: one in-graph plan (no refusal), whose
     start-up line names the NVFP4 families, how they run, and the float forms' counts."""
@@ -246,7 +248,7 @@ def test_a_mixed_checkpoint_is_planned_in_one_graph_and_says_what_each_form_runs
     assert "NVFP4 W0 held packed as stored" in line and "one copy per band" in line
     assert "3 lowrank, 1 shared_basis on the GEMM path as stored" in line
     assert "per member in a group with an NVFP4 member" in line
-    precompute_outside = plan_serving(tiny_mixed, AttnquantConfig())
+    precompute_outside = plan_serving(tiny_mixed, ServingOptions(path="precompute-outside"))
     assert not precompute_outside.nvfp4_w0 and precompute_outside.path == "precompute-outside"
 
 
@@ -345,7 +347,7 @@ def outside_v4(tiny_v4: Path) -> Iterator[LoadedModel]:
         yield model
 
 
-def _text(loaded: LoadedModel, config: AttnquantConfig) -> tuple[str, int]:
+def _text(loaded: LoadedModel, config: ServingOptions) -> tuple[str, int]:
     graph, nbytes = decoder_graph(loaded, config)
     return str(graph), nbytes
 
@@ -366,7 +368,9 @@ def test_traced_decoders_hold_the_checkpoint_bytes(
     per_layer = 4 + 2 * len(PROJECTIONS)  # qkv, o, gate_up, down + (x V) U^T each
     assert sum(count_matmuls(deq).values()) == 1 + per_layer * LAYERS
     assert sum(count_matmuls(fused).values()) == 1
-    quant, quant_bytes = _text(outside_v4, AttnquantConfig(quant="nvfp4", nvfp4_kernel="fused"))
+    quant, quant_bytes = _text(
+        outside_v4, ServingOptions(path="precompute-outside", quant="nvfp4", nvfp4_kernel="fused")
+    )
     assert quant == fused
     stored = stored_bytes(tiny_v4)
     assert fused_bytes == deq_bytes == quant_bytes == stored

@@ -10,6 +10,7 @@ import pytest
 
 from attnquant_max import (
     ConfigError,
+    ServingOptions,
     architectures_path,
     max_entrypoint,
     serve_command,
@@ -62,17 +63,20 @@ def test_serve_command_options(tmp_path: Path) -> None:
 
 
 def test_serve_env_is_offline_and_validated() -> None:
-    env = serve_env({"PATH": "/bin"}, blocks="layers", rank="8")
+    options = ServingOptions(blocks="layers", rank=8)
+    env = serve_env(options, {"PATH": "/bin", "ATTNQUANT_GEMM": "1"})
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["MAX_SERVE_DISABLE_TELEMETRY"] == "1"
     assert env["ATTNQUANT_BLOCKS"] == "layers"
     assert env["ATTNQUANT_RANK"] == "8"
+    assert env["ATTNQUANT_PATH"] == "auto" and "ATTNQUANT_GEMM" not in env  # the options win
+    assert ServingOptions.from_env(env) == options  # what the max serve child reads back
     assert env["MAX_SERVE_LOGS_ENABLE_COMPONENTS"] == "attnquant_max"
-    env = serve_env({"MAX_SERVE_LOGS_ENABLE_COMPONENTS": "foo"}, offline=False)
+    env = serve_env(env={"MAX_SERVE_LOGS_ENABLE_COMPONENTS": "foo"}, offline=False)
     assert env["MAX_SERVE_LOGS_ENABLE_COMPONENTS"] == "foo,attnquant_max"
     assert "HF_HUB_OFFLINE" not in env
     with pytest.raises(ConfigError, match="ATTNQUANT_RANK"):
-        serve_env({}, rank="-1")
-    with pytest.raises(NotImplementedError, match="ATTNQUANT_QUANT"):
-        serve_env({"ATTNQUANT_QUANT": "nvfp4", "ATTNQUANT_PRECOMPUTE": "1"})
-    assert serve_env({"ATTNQUANT_QUANT": "nvfp4"})["ATTNQUANT_QUANT"] == "nvfp4"
+        serve_env(env={"ATTNQUANT_RANK": "-1"})
+    with pytest.raises(NotImplementedError, match="--quant nvfp4"):
+        serve_env(env={"ATTNQUANT_QUANT": "nvfp4", "ATTNQUANT_PRECOMPUTE": "1"})
+    assert serve_env(env={"ATTNQUANT_QUANT": "nvfp4"})["ATTNQUANT_QUANT"] == "nvfp4"

@@ -13,21 +13,15 @@ from safetensors.numpy import load_file
 
 from attnquant_core import FAMILIES, BandMismatchError, CheckpointError
 from attnquant_max import (
-    AttnquantConfig,
     InGraphLayout,
+    ServingOptions,
     WeightKeyError,
     check_state_keys,
-    config_override,
-    current_config,
     log_serving_path,
     plan_serving,
 )
-from attnquant_max._weights import (
-    expected_llama_keys,
-    expected_uniform_keys,
-    model_directory,
-    weight_data_from_numpy,
-)
+from attnquant_max._adapter import model_directory, weight_data_from_numpy
+from attnquant_max._keys import expected_llama_keys, expected_uniform_keys
 from attnquant_max.testing import gemm_weight_bytes
 
 from .conftest import LAYERS, tiny_llama_tensors
@@ -39,7 +33,7 @@ def _hf(**overrides: object) -> SimpleNamespace:
 
 
 def test_theta_at_passthrough_rebuilds_the_dense_weights_exactly(tiny_theta: Path) -> None:
-    plan = plan_serving(tiny_theta, AttnquantConfig())
+    plan = plan_serving(tiny_theta, ServingOptions(path="precompute-outside"))
     assert (plan.source, plan.blocks, plan.rank, plan.num_layers) == ("theta", LAYERS, 4, LAYERS)
     assert plan.rebuilds and plan.passthrough
     state = dict(plan.state())
@@ -51,7 +45,7 @@ def test_theta_at_passthrough_rebuilds_the_dense_weights_exactly(tiny_theta: Pat
 
 
 def test_dense_defaults_to_passthrough_without_rebuild(tiny_dense: Path) -> None:
-    plan = plan_serving(tiny_dense, AttnquantConfig())
+    plan = plan_serving(tiny_dense, ServingOptions(path="precompute-outside"))
     assert (plan.source, plan.blocks, plan.rebuilds, plan.passthrough) == (
         "dense",
         "layers",
@@ -62,11 +56,13 @@ def test_dense_defaults_to_passthrough_without_rebuild(tiny_dense: Path) -> None
 
 
 def test_dense_with_blocks_is_decomposed_at_load(tiny_dense: Path, tiny_theta_g1: Path) -> None:
-    plan = plan_serving(tiny_dense, AttnquantConfig(blocks=1, rank=8))
+    plan = plan_serving(tiny_dense, ServingOptions(path="precompute-outside", blocks=1, rank=8))
     assert (plan.source, plan.blocks, plan.rank, plan.rebuilds) == ("dense", 1, 8, True)
     assert "G=1, r=8" in plan.describe()
     at_load = dict(plan.state())
-    from_theta = dict(plan_serving(tiny_theta_g1, AttnquantConfig()).state())
+    from_theta = dict(
+        plan_serving(tiny_theta_g1, ServingOptions(path="precompute-outside")).state()
+    )
     assert at_load.keys() == from_theta.keys() == tiny_llama_tensors().keys()
     for key in at_load:
         np.testing.assert_allclose(at_load[key], from_theta[key], atol=1e-4, err_msg=key)
@@ -74,7 +70,7 @@ def test_dense_with_blocks_is_decomposed_at_load(tiny_dense: Path, tiny_theta_g1
 
 def test_theta_missing_a_theta_key_fails_listing_the_layer(theta_missing_v: Path) -> None:
     with pytest.raises(BandMismatchError) as info:
-        plan_serving(theta_missing_v, AttnquantConfig())
+        plan_serving(theta_missing_v, ServingOptions(path="precompute-outside"))
     assert "mlp.up_proj layer 1" in str(info.value)
     assert "theta_V" in str(info.value)
     assert "ATTNQUANT_BLOCKS" in str(info.value)
@@ -82,33 +78,33 @@ def test_theta_missing_a_theta_key_fails_listing_the_layer(theta_missing_v: Path
 
 def test_theta_with_other_blocks_fails_listing_the_layers(theta_other_blocks: Path) -> None:
     with pytest.raises(BandMismatchError, match=r"layers \[1\]"):
-        plan_serving(theta_other_blocks, AttnquantConfig())
+        plan_serving(theta_other_blocks, ServingOptions(path="precompute-outside"))
 
 
 def test_serving_blocks_must_match_the_theta_checkpoint(tiny_theta: Path) -> None:
-    plan_serving(tiny_theta, AttnquantConfig(blocks="layers"))
+    plan_serving(tiny_theta, ServingOptions(path="precompute-outside", blocks="layers"))
     with pytest.raises(BandMismatchError, match="ATTNQUANT_BLOCKS"):
-        plan_serving(tiny_theta, AttnquantConfig(blocks=1))
+        plan_serving(tiny_theta, ServingOptions(path="precompute-outside", blocks=1))
 
 
 def test_unimplemented_path_refused_before_reading(tmp_path: Path) -> None:
-    config = AttnquantConfig(precompute=True, quant="nvfp4")
-    with pytest.raises(NotImplementedError, match="ATTNQUANT_QUANT=nvfp4"):
+    config = ServingOptions(path="precompute", quant="nvfp4")
+    with pytest.raises(NotImplementedError, match="--quant nvfp4"):
         plan_serving(tmp_path / "does-not-exist", config)
 
 
 @pytest.mark.parametrize(("gemm", "fuse"), [(True, True), (True, False), (False, True)])
 def test_in_graph_plan_feeds_the_theta_tensors(tiny_theta_g1: Path, gemm: bool, fuse: bool) -> None:
     config = (
-        AttnquantConfig(precompute_outside=False, gemm=True, qkv_fuse=fuse)
+        ServingOptions(path="gemm", qkv_fuse=fuse)
         if gemm
-        else AttnquantConfig(precompute=True, qkv_fuse=fuse)
+        else ServingOptions(path="precompute", qkv_fuse=fuse)
     )
     plan = plan_serving(tiny_theta_g1, config)
     assert plan.path == ("gemm" if gemm else "precompute") and plan.in_graph and plan.rebuilds
     line = plan.describe()
     assert ("GEMM formulation" if gemm else "in-graph precompute") in line
-    assert "G=1, r=8" in line and ("fused" if fuse else "ATTNQUANT_QKV_FUSE=0") in line
+    assert "G=1, r=8" in line and ("fused" if fuse else "--no-qkv-fuse") in line
     state = dict(plan.theta_state())
     layout = InGraphLayout.from_state(
         {k.removeprefix("model."): v.shape for k, v in state.items()}, FAMILIES, fuse=fuse
@@ -124,7 +120,7 @@ def test_in_graph_plan_feeds_the_theta_tensors(tiny_theta_g1: Path, gemm: bool, 
 
 
 def test_dense_passthrough_in_graph_is_the_dense_weight(tiny_dense: Path) -> None:
-    plan = plan_serving(tiny_dense, AttnquantConfig(precompute_outside=False, gemm=True))
+    plan = plan_serving(tiny_dense, ServingOptions(path="gemm"))
     assert (plan.path, plan.blocks, plan.rank, plan.rebuilds) == ("gemm", "layers", 0, True)
     state = dict(plan.theta_state())
     dense = tiny_llama_tensors()
@@ -136,30 +132,37 @@ def test_dense_passthrough_in_graph_is_the_dense_weight(tiny_dense: Path) -> Non
 
 
 def test_in_graph_refused_for_an_architecture_without_it(tiny_theta: Path) -> None:
-    from attnquant_max._weights import rebuilt_weights
+    from attnquant_max._adapter import rebuilt_weights
 
     pipeline_config = SimpleNamespace(model=SimpleNamespace(model_path=str(tiny_theta)))
-    with (
-        config_override(AttnquantConfig(precompute=True)),
-        pytest.raises(NotImplementedError, match="LlamaForCausalLM only"),
-    ):
-        rebuilt_weights({}, pipeline_config, name="Gemma3ForCausalLM")
+    with pytest.raises(NotImplementedError, match="LlamaForCausalLM only"):
+        rebuilt_weights(
+            {},
+            pipeline_config,
+            options=ServingOptions(path="precompute"),
+            name="Gemma3ForCausalLM",
+        )
 
 
-def test_plan_reads_the_environment_and_overrides(
+def test_adapter_options_are_its_own_or_the_environments(
     tiny_dense: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An adapter bound to options serves them; one without reads ATTNQUANT_* at each load
+    (a max serve child's boundary); plan_serving itself never reads the environment."""
+    from attnquant_max._adapter import rebuilt_weights
+
     monkeypatch.setenv("ATTNQUANT_BLOCKS", "1")
     monkeypatch.setenv("ATTNQUANT_RANK", "2")
-    assert plan_serving(tiny_dense).blocks == 1
-    with config_override(AttnquantConfig()) as config:
-        assert current_config() is config
-        assert plan_serving(tiny_dense).blocks == "layers"
-    assert current_config().rank == 2
+    pipeline_config = SimpleNamespace(model=SimpleNamespace(model_path=str(tiny_dense)))
+    assert plan_serving(tiny_dense).blocks == "layers"  # the defaults, not the environment
+    _, plan = rebuilt_weights({}, pipeline_config)
+    assert (plan.blocks, plan.rank) == (1, 2)
+    _, plan = rebuilt_weights({}, pipeline_config, options=ServingOptions())
+    assert (plan.blocks, plan.rank) == ("layers", 0)
 
 
 def test_serving_path_is_logged_once(tiny_theta: Path, caplog: pytest.LogCaptureFixture) -> None:
-    plan = plan_serving(tiny_theta, AttnquantConfig())
+    plan = plan_serving(tiny_theta, ServingOptions(path="precompute-outside"))
     with caplog.at_level(logging.INFO, logger="attnquant_max"):
         line = log_serving_path(plan)
         log_serving_path(plan)
@@ -238,7 +241,7 @@ def test_budget_checkpoint_serves_every_form_on_precompute_outside(tiny_budget: 
     from attnquant_core import ThetaCheckpoint
 
     ckpt = ThetaCheckpoint.open(tiny_budget)
-    plan = plan_serving(tiny_budget, AttnquantConfig())
+    plan = plan_serving(tiny_budget, ServingOptions(path="precompute-outside"))
     assert plan.forms == ckpt.forms and plan.rebuilds and not plan.passthrough
     line = plan.describe()
     assert "forms:" in line and "precompute-outside" in line
@@ -258,15 +261,15 @@ def test_in_graph_precompute_refuses_forms_it_does_not_serve(tiny_budget: Path) 
     forms = ThetaCheckpoint.open(tiny_budget).forms
     if all(f == "banded" for f in forms.values()):
         pytest.skip("the budget chose banded theta for every family")  # pragma: no cover
-    config = AttnquantConfig.from_env(
+    config = ServingOptions.from_env(
         {"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_PRECOMPUTE": "1"}
     )
     with pytest.raises(NotImplementedError) as info:
         plan_serving(tiny_budget, config)
     message = str(info.value)
     assert "\n" not in message and "the precompute path" in message
-    assert "ATTNQUANT_GEMM=1" in message and "ATTNQUANT_GEMM=0" in message
-    assert "ATTNQUANT_PRECOMPUTE_OUTSIDE=1" in message
+    assert "--path gemm" in message and "--path custom-op" in message
+    assert "--path precompute-outside" in message
     for name, form in forms.items():
         assert (f"{name} ({form})" in message) is (form != "banded")
 
@@ -281,7 +284,7 @@ def test_budget_checkpoint_feeds_every_form_on_the_custom_op(tiny_budget: Path) 
     ckpt = ThetaCheckpoint.open(tiny_budget)
     if all(f == "banded" for f in ckpt.forms.values()):
         pytest.skip("the budget chose banded theta for every family")  # pragma: no cover
-    plan = plan_serving(tiny_budget, AttnquantConfig(precompute_outside=False, gemm=False))
+    plan = plan_serving(tiny_budget, ServingOptions(path="custom-op"))
     assert plan.path == "custom-op" and plan.in_graph
     assert "generated_lowrank" in plan.describe()
     state = {k.removeprefix("model."): v for k, v in plan.theta_state()}
@@ -303,7 +306,7 @@ def test_budget_checkpoint_feeds_every_form_on_the_gemm_path(tiny_budget: Path) 
     from attnquant_max._served import served_layers
 
     ckpt = ThetaCheckpoint.open(tiny_budget)
-    plan = plan_serving(tiny_budget, AttnquantConfig(precompute_outside=False, gemm=True))
+    plan = plan_serving(tiny_budget, ServingOptions(path="gemm"))
     assert plan.path == "gemm" and plan.in_graph
     state = {k.removeprefix("model."): v for k, v in plan.theta_state()}
     layout = InGraphLayout.from_state({k: v.shape for k, v in state.items()}, FAMILIES, fuse=True)
@@ -318,18 +321,18 @@ def test_budget_checkpoint_feeds_every_form_on_the_gemm_path(tiny_budget: Path) 
 def test_auto_selection_on_the_cpu_takes_the_custom_op_for_forms_without_w0(
     tiny_budget: Path, tiny_theta: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Measured faster at decode (README): the CPU serves a budget checkpoint on the custom op
-    and says why; an accelerator nobody measured it on keeps the GEMM path."""
-    import attnquant_max._weights as weights
+    """Measured faster at decode (docs/serving-paths.md): the CPU serves a budget checkpoint on
+    the custom op and says why; an accelerator nobody measured it on keeps the GEMM path."""
+    import attnquant_max._plan as plan_module
 
-    auto = AttnquantConfig(precompute_outside=False)
+    auto = ServingOptions(path="in-graph")
     banded = plan_serving(tiny_theta, auto)
     if banded.path != "custom-op":
         pytest.skip(f"auto selection picks {banded.path} here")  # pragma: no cover
     budget = plan_serving(tiny_budget, auto)
     assert budget.path == "custom-op"
     assert "generated_lowrank) decodes them faster" in budget.describe()
-    monkeypatch.setattr(weights, "_accelerator_api", lambda: "metal")
+    monkeypatch.setattr(plan_module, "_accelerator_api", lambda: "metal")
     metal = plan_serving(tiny_budget, auto)
     assert metal.path == "gemm" and "measured on the CPU only" in metal.describe()
 
@@ -369,8 +372,8 @@ def test_custom_op_refuses_a_rank_above_64_naming_the_gemm_path(tiny_dense: Path
     from attnquant_kernels import RankError
 
     env = {"ATTNQUANT_PRECOMPUTE_OUTSIDE": "0", "ATTNQUANT_GEMM": "0", "ATTNQUANT_BLOCKS": "1"}
-    ok = plan_serving(tiny_dense, AttnquantConfig.from_env({**env, "ATTNQUANT_RANK": "16"}))
+    ok = plan_serving(tiny_dense, ServingOptions.from_env({**env, "ATTNQUANT_RANK": "16"}))
     assert ok.path == "custom-op" and ok.in_graph
     assert "generated_mlp" in ok.describe()
     with pytest.raises(RankError, match=r"r=65 is above 64.*ATTNQUANT_GEMM=1"):
-        plan_serving(tiny_dense, AttnquantConfig.from_env({**env, "ATTNQUANT_RANK": "65"}))
+        plan_serving(tiny_dense, ServingOptions.from_env({**env, "ATTNQUANT_RANK": "65"}))

@@ -12,90 +12,43 @@ from pathlib import Path
 
 from rich.table import Table
 
-from attnquant_core import DecompositionError
-from attnquant_core.calib import (
-    DEFAULT_SAMPLES,
-    DEFAULT_SEQ_LEN,
-    decompose_calibrated,
-    open_source,
-)
+from attnquant_core import DecomposeSpec
+from attnquant_core.calib import decompose_calibrated, open_source
 from attnquant_core.llama_reference import ReferenceConfigError
 
 from ._calibrate import calibration_windows, layer_progress
 from ._console import Output
 
-__all__ = ["check_calibration_options", "decompose_with_data"]
+__all__ = ["decompose_with_data"]
 
 console = Output(stderr=True)
 out = Output()
 
 
-def check_calibration_options(
-    *,
-    calibration: Path | None,
-    calibration_data: list[Path] | None,
-    sequential: bool | None,
-    samples: int | None,
-    seq_len: int | None,
-    align: bool,
-) -> None:
-    """Refuse, in one line and before anything is written, options that do not go together."""
-    if calibration is not None and calibration_data:
-        raise DecompositionError(
-            "--calibration STATS and --calibration-data PATH: give one (statistics made "
-            "elsewhere, or text to calibrate on in the same pass)"
-        )
-    if sequential and not calibration_data:
-        raise DecompositionError(
-            "--sequential needs --calibration-data PATH...: it runs the compressed model over "
-            "that text (statistics alone have no inputs to run)"
-        )
-    if (samples is not None or seq_len is not None) and not calibration_data:
-        raise DecompositionError("--samples/--seq-len apply to --calibration-data only")
-    if calibration_data and align:
-        raise DecompositionError(
-            "--calibration-data with --align: the calibration runs the original layers, not "
-            "the aligned ones; drop one of them"
-        )
-
-
 def decompose_with_data(
-    src: Path,
-    output: Path,
-    data: list[Path],
-    *,
-    blocks: str | None,
-    rank: int | None,
-    budget: float | None,
-    sequential: bool | None,
-    samples: int | None,
-    seq_len: int | None,
-    overwrite: bool,
-    quiet: bool,
+    src: Path, output: Path, spec: DecomposeSpec, *, overwrite: bool, quiet: bool
 ) -> dict:
-    """Tokenise ``data``, calibrate ``src`` on it and decompose to ``output``; print a table.
+    """Tokenise the spec's ``calibration_data``, calibrate ``src`` on it and decompose to
+    ``output``; print a table.
 
-    ``sequential=None`` is sequential (the numpy forward runs every checkpoint it can
-    calibrate). Returns the manifest.
+    The spec (checked when made) gives the windows' count and length and whether the fit is
+    sequential (by default it is: the numpy forward runs every checkpoint it can calibrate).
+    Returns the manifest.
     """
+    data = list(spec.calibration_data or ())
     try:
         source = open_source(src)
     except ReferenceConfigError as exc:
-        if sequential:
+        if spec.sequential:
             raise ReferenceConfigError(f"--sequential: {exc}") from None
         raise
     windows = calibration_windows(
         source,
-        list(data),
-        samples=DEFAULT_SAMPLES if samples is None else samples,
-        seq_len=DEFAULT_SEQ_LEN if seq_len is None else seq_len,
+        data,
+        samples=spec.effective_samples,
+        seq_len=spec.effective_seq_len,
         seed=0,
     )
-    seq = True if sequential is None else sequential
-    if budget is None and blocks is None and rank is None:
-        blocks_arg: int | str | None = 1
-    else:
-        blocks_arg = None if blocks is None else _blocks(blocks)
     with layer_progress() as progress:
         tasks: dict[str, object] = {}
 
@@ -108,10 +61,7 @@ def decompose_with_data(
             source,
             windows,
             output,
-            sequential=seq,
-            budget=budget,
-            blocks=None if budget is not None else blocks_arg,
-            rank=rank if budget is None else None,
+            spec=spec,
             data=[str(p) for p in data],
             progress=report,
             overwrite=overwrite,
@@ -132,16 +82,6 @@ def decompose_with_data(
         soft_wrap=True,
     )
     return manifest
-
-
-def _blocks(text: str) -> int | str:
-    text = text.strip().lower()
-    if text == "layers":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise DecompositionError(f"--blocks {text!r}: give a number of bands or 'layers'") from None
 
 
 def _table(manifest: dict, output: Path) -> Table:

@@ -28,9 +28,11 @@ import typer
 from rich.table import Table
 
 from attnquant_core.calib import DEFAULT_SEQ_LEN, EvalResult, evaluate, open_source
+from attnquant_core.serving import ServingOptions
 
 from ._calibrate import DataOption, data_windows, default_data, layer_progress, resolve_model
 from ._console import Output
+from .commands._serving import serving_flags
 
 __all__ = ["choose_forward", "eval_table", "evaluate_command"]
 
@@ -61,7 +63,7 @@ def choose_forward(
     forward: str, paths: list[Path], *, devices: str, float64: bool
 ) -> tuple[str, str]:
     """``("max" | "numpy", why)`` for ``--forward`` over these checkpoints; a ``max`` that
-    cannot be done is a one-line ``ValueError`` (DESIGN §7)."""
+    cannot be done is a one-line ``ValueError`` (docs/architecture.md)."""
     if forward not in ("auto", "max", "numpy"):
         raise typer.BadParameter(f"--forward {forward!r}: choose auto, max or numpy")
     if forward == "numpy":
@@ -83,6 +85,7 @@ def choose_forward(
     return "numpy", f"auto: {reasons[0]}"
 
 
+@serving_flags
 def evaluate_command(
     base: Annotated[str, typer.Argument(help="The reference checkpoint (or 'demo').")],
     checkpoints: Annotated[
@@ -117,6 +120,7 @@ def evaluate_command(
             "--json", help="Print the figures as one JSON object on stdout (table to stderr)."
         ),
     ] = False,
+    options: ServingOptions = ServingOptions(),
 ) -> None:
     """Perplexity, top-1 agreement with BASE and KL(BASE || it) for BASE and each checkpoint.
 
@@ -148,6 +152,7 @@ def evaluate_command(
                 paths,
                 windows,
                 devices=devices,
+                options=options,
                 progress=lambda name, done, total: progress.update(tasks[name], completed=done),
             )
         else:

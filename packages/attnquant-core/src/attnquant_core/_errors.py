@@ -27,7 +27,7 @@ class IntegrityError(CheckpointError):
 
 
 class ThetaFormatError(CheckpointError):
-    """A theta checkpoint breaks the format contract (DESIGN §4)."""
+    """A theta checkpoint breaks the format contract (docs/checkpoint-format.md)."""
 
 
 class BandMismatchError(ThetaFormatError):

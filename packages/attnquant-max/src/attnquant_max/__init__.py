@@ -1,32 +1,33 @@
 """attnquant-max: serve attnquant theta checkpoints through Modular MAX.
 
-The production path is *precompute-outside* (DESIGN §5.1): every projection is
-rebuilt once at load, ``W_eff = diag(s) W0 + U V^T``, and handed to the stock MAX
-model under its stock key, so the served graph is the base model's. The MAX
-architectures doing this live in the folder :func:`architectures_path` returns::
+Every load is made from one :class:`ServingOptions` value (CLI flags, or the ``ATTNQUANT_*``
+variables for compatibility) and turned into one :class:`ServingPlan` by :func:`plan_serving`;
+the weight adapter of attnquant's MAX architectures hands MAX the state that plan implies, and
+the graph builder reads the same plan. ``--path auto`` (the default) follows the checkpoint: a
+dense or passthrough checkpoint is served on the stock graph, every ``W_eff = diag(s) W0 + U V^T``
+rebuilt once at load (precompute-outside); a compressed theta checkpoint of a Llama model is
+served in the graph holding its own bytes (GEMM formulation or the custom op, as measured faster
+on the device; docs/serving-paths.md). The MAX architectures live in the folder
+:func:`architectures_path` returns::
 
     max serve --model-path THETA_DIR --custom-architectures $(python -c \\
         "import attnquant_max; print(attnquant_max.architectures_path())") \\
         --devices cpu --quantization-encoding float32
 
-With ``ATTNQUANT_PRECOMPUTE_OUTSIDE=0`` (GEMM formulation, DESIGN §5.2) or
-``ATTNQUANT_PRECOMPUTE=1`` (``W_eff`` formed in the graph) the Llama
-architecture builds an in-graph model instead: the theta tensors are the
-graph's weights, each band's ``W0`` held once (:class:`ThetaLinear` and friends).
-
-Runtime options are the ``ATTNQUANT_*`` variables, parsed by
-:meth:`AttnquantConfig.from_env`. Importing this package does not import
-``max.pipelines`` (slow); :func:`load_pipeline` does, when called.
+Importing this package does not import ``max.pipelines`` (slow); :func:`load_pipeline` does,
+when called.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from attnquant_core.serving import OPTIONS, ConfigError, OptionSpec, ServingOptions, options_table
+
+from ._adapter import PlannedState, ThetaWeightAdapter, wrap_weight_adapter
 from ._config import (
-    ENV_VARIABLES,
     PATH_DESCRIPTIONS,
-    AttnquantConfig,
-    ConfigError,
+    DeviceError,
+    require_device,
     require_implemented,
     serving_path,
     use_gemm_formulation,
@@ -44,6 +45,7 @@ from ._generate import (
     AGREEMENT_THRESHOLD,
     DELTA_THRESHOLD,
     NEAR_TIE,
+    STOCK,
     LoadedModel,
     ParityReport,
     TokenScores,
@@ -52,6 +54,7 @@ from ._generate import (
     load_pipeline,
     logit_parity,
 )
+from ._keys import WeightKeyError, check_state_keys
 from ._layout import InGraphLayout, ingraph_tensors
 from ._nvfp4 import (
     BLOCK_SIZE,
@@ -63,18 +66,8 @@ from ._nvfp4 import (
     nvfp4_error_bound,
     quantize_nvfp4,
 )
+from ._plan import ServingPlan, log_serving_path, plan_serving
 from ._serve import architectures_path, max_entrypoint, serve_command, serve_env
-from ._weights import (
-    ServingPlan,
-    ThetaWeightAdapter,
-    WeightKeyError,
-    check_state_keys,
-    config_override,
-    current_config,
-    log_serving_path,
-    plan_serving,
-    wrap_weight_adapter,
-)
 
 try:
     __version__ = version("attnquant-max")
@@ -82,11 +75,15 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
-    # runtime configuration (ATTNQUANT_* variables) and path selection
-    "ENV_VARIABLES",
-    "AttnquantConfig",
+    # serving options (CLI flags, ATTNQUANT_* variables) and path selection
+    "OPTIONS",
     "ConfigError",
+    "DeviceError",
+    "OptionSpec",
     "PATH_DESCRIPTIONS",
+    "ServingOptions",
+    "options_table",
+    "require_device",
     "require_implemented",
     "serving_path",
     "use_gemm_formulation",
@@ -102,14 +99,13 @@ __all__ = [
     "count_matmuls",
     "decoder_graph",
     "ingraph_tensors",
-    # precompute-outside serving: MAX architectures, the load plan, key checks
+    # one plan per load: the weight adapter, its state, key checks
+    "PlannedState",
     "ServingPlan",
     "ThetaWeightAdapter",
     "WeightKeyError",
     "architectures_path",
     "check_state_keys",
-    "config_override",
-    "current_config",
     "log_serving_path",
     "plan_serving",
     "wrap_weight_adapter",
@@ -128,6 +124,7 @@ __all__ = [
     "AGREEMENT_THRESHOLD",
     "DELTA_THRESHOLD",
     "NEAR_TIE",
+    "STOCK",
     "LoadedModel",
     "ParityReport",
     "TokenScores",

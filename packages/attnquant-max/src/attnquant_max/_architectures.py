@@ -2,7 +2,7 @@
 
 Each one is a stock MAX architecture under its stock name (so ``config.json``
 stays readable by transformers, and registering it overrides the built-in),
-changed in how weights are loaded (:mod:`._weights`). On the precompute-outside
+changed in how weights are loaded (:mod:`._adapter`, one plan per load: :mod:`._plan`). On the precompute-outside
 path the model, its graph and its kernels are MAX's.
 
 * ``LlamaForCausalLM`` and ``Gemma3ForCausalLM`` load through a weight adapter:
@@ -39,15 +39,15 @@ from max.pipelines.architectures.llama3 import llama_arch
 from max.pipelines.architectures.llama3 import weight_adapters as llama_adapters
 from max.pipelines.lib import SupportedArchitecture
 
+from attnquant_core.serving import ServingOptions
+
+from ._adapter import ArrayWeights, rebuilt_weights, wrap_weight_adapter
 from ._ingraph import ThetaLlama3Model
-from ._weights import (
-    ArrayWeights,
+from ._keys import (
     check_state_keys,
     expected_layer_type_keys,
     expected_llama_keys,
     expected_uniform_keys,
-    rebuilt_weights,
-    wrap_weight_adapter,
 )
 
 __all__ = ["ARCHITECTURES", "build_architectures"]
@@ -96,7 +96,10 @@ class _RebuildingLoadMixin:
 
     def _load_state_dict(self) -> dict[str, Any]:
         weights, plan = rebuilt_weights(
-            dict(self.weights.items()), self.pipeline_config, name=type(self).__name__
+            dict(self.weights.items()),
+            self.pipeline_config,
+            options=getattr(getattr(self, "adapter", None), "options", None),
+            name=type(self).__name__,
         )
         text = _text_config(self.huggingface_config)
         num_layers = int(getattr(text, "num_hidden_layers", 0) or plan.num_layers)
@@ -118,33 +121,51 @@ class Gemma4ThetaModel(_RebuildingLoadMixin, _StockGemma4Model):
 
 
 def _with_adapter(
-    arch: SupportedArchitecture, stock: Any, expected: Any, **replace: Any
+    arch: SupportedArchitecture,
+    stock: Any,
+    expected: Any,
+    options: ServingOptions | None,
+    *,
+    in_graph: bool = False,
+    **replace: Any,
 ) -> SupportedArchitecture:
-    in_graph = "pipeline_model" in replace
-    adapter = wrap_weight_adapter(stock, expected, name=arch.name, in_graph=in_graph)
+    adapter = wrap_weight_adapter(
+        stock, expected, name=arch.name, in_graph=in_graph, options=options
+    )
     # Other weight formats (GGUF: MAX's CPU q4_0/q4_k Llama) keep the stock adapters: theta
     # checkpoints are safetensors only, and a GGUF checkpoint is served as MAX serves it.
     adapters = {**arch.weight_adapters, WeightsFormat.safetensors: adapter}
     return dataclasses.replace(arch, weight_adapters=adapters, **replace)
 
 
-def build_architectures() -> list[SupportedArchitecture]:
-    """The attnquant variants of the stock MAX architectures, stock names kept."""
+def build_architectures(options: ServingOptions | None = None) -> list[SupportedArchitecture]:
+    """The attnquant variants of the stock MAX architectures, stock names kept, every load
+    through them serving ``options`` (``None``: the ``ATTNQUANT_*`` variables at each load).
+
+    The Gemma multimodal models read ``self.weights`` and take no adapter in MAX 26.7; they
+    are handed an attnquant adapter all the same, never called, to carry ``options`` to
+    :class:`_RebuildingLoadMixin`.
+    """
+    carrier = (None, _uniform_expected, options)
     return [
         _with_adapter(
             llama_arch,
             llama_adapters.convert_safetensor_state_dict,
             _llama_expected,
+            options,
+            in_graph=True,
             pipeline_model=ThetaLlama3Model,
         ),
         _with_adapter(
-            gemma3_arch, gemma3_adapters.convert_safetensor_state_dict, _uniform_expected
+            gemma3_arch, gemma3_adapters.convert_safetensor_state_dict, _uniform_expected, options
         ),
-        dataclasses.replace(gemma3_multimodal_arch, pipeline_model=Gemma3MultiModalThetaModel),
-        dataclasses.replace(gemma4_arch, pipeline_model=Gemma4ThetaModel),
+        _with_adapter(gemma3_multimodal_arch, *carrier, pipeline_model=Gemma3MultiModalThetaModel),
+        _with_adapter(gemma4_arch, *carrier, pipeline_model=Gemma4ThetaModel),
         # Gemma 4 12B ("gemma4_unified"): the Gemma 4 model and loader, served text-only.
-        dataclasses.replace(gemma4_unified_arch, pipeline_model=Gemma4ThetaModel),
+        _with_adapter(gemma4_unified_arch, *carrier, pipeline_model=Gemma4ThetaModel),
     ]
 
 
-ARCHITECTURES: list[SupportedArchitecture] = build_architectures()
+#: What ``max serve --custom-architectures`` registers: the options of this process, read
+#: once from its ``ATTNQUANT_*`` variables (``attnquant serve`` writes them for its child).
+ARCHITECTURES: list[SupportedArchitecture] = build_architectures(ServingOptions.from_env())

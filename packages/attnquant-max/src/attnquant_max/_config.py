@@ -1,10 +1,10 @@
-"""Runtime configuration: every ``ATTNQUANT_*`` variable, parsed once.
+"""Execution paths and devices: which formulation serves where, and what MAX cannot serve.
 
-The table of variables is DESIGN §3. :meth:`AttnquantConfig.from_env` reads an
-environment mapping (``os.environ`` by default) and fails on the first bad value
-with a :class:`ConfigError` that names the variable, the value and what is
-allowed, so a typo stops the server at start-up instead of serving something
-else.
+The options themselves are :class:`attnquant_max.ServingOptions` (:mod:`._options`); the plan of
+a load (:func:`attnquant_max.plan_serving`) resolves ``--path auto`` against the checkpoint. Here:
+the concrete path an explicit choice means on a device (:func:`serving_path`), the in-graph
+formulation measured faster (:func:`use_gemm_formulation`), and the architectures MAX 26.7 runs on
+a GPU only (:func:`require_device`).
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from attnquant_core.serving import ServingOptions
+from attnquant_kernels import MAX_RANK
+
 __all__ = [
-    "ENV_VARIABLES",
+    "CUSTOM_OP_MAX_RANK",
     "PATH_DESCRIPTIONS",
-    "AttnquantConfig",
-    "ConfigError",
     "DeviceError",
     "GPU_ONLY_ARCHITECTURES",
     "ServingPath",
@@ -31,207 +30,11 @@ __all__ = [
     "use_gemm_formulation",
 ]
 
-from attnquant_kernels import MAX_RANK
-
 logger = logging.getLogger(__name__)
-
-Passthrough = Literal["layers"]
-Quant = Literal["nvfp4"]
-NVFP4Kernel = Literal["auto", "fused", "dequantize"]
-NVFP4_KERNELS: tuple[str, ...] = ("auto", "fused", "dequantize")
-
-#: Every variable this package reads, with its default as a user would write it.
-ENV_VARIABLES: dict[str, str] = {
-    "ATTNQUANT_BLOCKS": "unset (the caller's default)",
-    "ATTNQUANT_RANK": "16",
-    "ATTNQUANT_PRECOMPUTE_OUTSIDE": "1",
-    "ATTNQUANT_PRECOMPUTE": "0",
-    "ATTNQUANT_GEMM": "unset (auto)",
-    "ATTNQUANT_QKV_FUSE": "1",
-    "ATTNQUANT_FUSED_MLP": "1",
-    "ATTNQUANT_QUANT": "unset",
-    "ATTNQUANT_NVFP4_KERNEL": "auto",
-    "ATTNQUANT_QUANT_HEAD": "0",
-}
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-_BOOL_ALLOWED = "one of 1/0, true/false, yes/no, on/off"
 
 # Largest rank the custom op (`generated_linear`) accepts; above it the GEMM
 # formulation is the only in-graph path. One number, attnquant-kernels' own.
 CUSTOM_OP_MAX_RANK = MAX_RANK
-
-
-class ConfigError(ValueError):
-    """An ``ATTNQUANT_*`` variable holds a value that is not allowed."""
-
-    def __init__(self, variable: str, value: str, allowed: str) -> None:
-        self.variable = variable
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"{variable}={value!r} is not valid: expected {allowed}.")
-
-
-def _get(env: Mapping[str, str], name: str) -> str | None:
-    """The stripped value of ``name``; an empty string counts as unset."""
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return None
-    return raw.strip()
-
-
-def _parse_bool(env: Mapping[str, str], name: str, default: bool | None) -> bool | None:
-    raw = _get(env, name)
-    if raw is None:
-        return default
-    if raw.lower() in _TRUE:
-        return True
-    if raw.lower() in _FALSE:
-        return False
-    raise ConfigError(name, raw, _BOOL_ALLOWED + (" or unset (auto)" if default is None else ""))
-
-
-def _whole_number(name: str, raw: str, *, minimum: int, allowed: str) -> int:
-    """``raw`` as an int of at least ``minimum``, else a ConfigError naming the variable."""
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(name, raw, allowed) from None
-    if value < minimum:
-        raise ConfigError(name, raw, allowed)
-    return value
-
-
-def _parse_blocks(env: Mapping[str, str]) -> int | Passthrough | None:
-    name = "ATTNQUANT_BLOCKS"
-    raw = _get(env, name)
-    if raw is None:
-        return None
-    if raw.lower() == "layers":
-        return "layers"
-    allowed = "a whole number >= 1, or 'layers' for passthrough (one block per layer)"
-    return _whole_number(name, raw, minimum=1, allowed=allowed)
-
-
-def _parse_rank(env: Mapping[str, str]) -> int:
-    name = "ATTNQUANT_RANK"
-    raw = _get(env, name)
-    if raw is None:
-        return 16
-    return _whole_number(name, raw, minimum=0, allowed="a whole number >= 0")
-
-
-def _parse_quant(env: Mapping[str, str]) -> Quant | None:
-    name = "ATTNQUANT_QUANT"
-    raw = _get(env, name)
-    if raw is None:
-        return None
-    if raw.lower() == "nvfp4":
-        return "nvfp4"
-    raise ConfigError(name, raw, "'nvfp4' or unset (no quantization)")
-
-
-def _parse_nvfp4_kernel(env: Mapping[str, str]) -> NVFP4Kernel:
-    name = "ATTNQUANT_NVFP4_KERNEL"
-    raw = _get(env, name)
-    if raw is None:
-        return "auto"
-    if raw.lower() in NVFP4_KERNELS:
-        return raw.lower()  # type: ignore[return-value]
-    raise ConfigError(name, raw, "one of auto, fused, dequantize")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttnquantConfig:
-    """The runtime configuration of DESIGN §3, one field per variable.
-
-    Attributes
-    ----------
-    blocks : int, "layers" or None
-        ``ATTNQUANT_BLOCKS``: number of shared blocks ``G``; ``"layers"`` is
-        passthrough; ``None`` (unset) means "the caller's default" (``1`` for
-        analysis, passthrough when serving a dense checkpoint).
-    rank : int
-        ``ATTNQUANT_RANK``: rank ``r`` of the correction.
-    precompute_outside : bool
-        ``ATTNQUANT_PRECOMPUTE_OUTSIDE``: rebuild ``W_eff`` once at load.
-    precompute : bool
-        ``ATTNQUANT_PRECOMPUTE``: rebuild ``W_eff`` inside the graph.
-    gemm : bool or None
-        ``ATTNQUANT_GEMM``: in-graph formulation, ``None`` = automatic.
-    qkv_fuse : bool
-        ``ATTNQUANT_QKV_FUSE``: GEMM path batches q/k/v into two dispatches.
-    fused_mlp : bool
-        ``ATTNQUANT_FUSED_MLP``: custom-op path runs the MLP in one dispatch.
-    quant : "nvfp4" or None
-        ``ATTNQUANT_QUANT``: quantize each ``W_eff`` at load.
-    nvfp4_kernel : "auto", "fused" or "dequantize"
-        ``ATTNQUANT_NVFP4_KERNEL``: how NVFP4 projections run: ``fused`` one
-        ``generated_linear_nvfp4`` dispatch reading the packed bytes, ``dequantize`` the
-        weight dequantized in the graph then a matmul, ``auto`` whichever is faster when
-        timed once at start-up (logged).
-    quant_head : bool
-        ``ATTNQUANT_QUANT_HEAD``: the output head in NVFP4 too, beside NVFP4 projections
-        (``ATTNQUANT_QUANT=nvfp4``) or on an in-graph path (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``,
-        any theta checkpoint: a budget fit's float forms too); off by default, as in Model
-        Optimizer's NVFP4 checkpoints, which keep ``lm_head`` in full precision. A tied head is quantized from the embedding table, which stays float.
-    """
-
-    blocks: int | Passthrough | None = None
-    rank: int = 16
-    precompute_outside: bool = True
-    precompute: bool = False
-    gemm: bool | None = None
-    qkv_fuse: bool = True
-    fused_mlp: bool = True
-    quant: Quant | None = None
-    nvfp4_kernel: NVFP4Kernel = "auto"
-    quant_head: bool = False
-
-    def __post_init__(self) -> None:
-        if self.blocks is not None and self.blocks != "layers":
-            if isinstance(self.blocks, bool) or not isinstance(self.blocks, int):
-                raise ConfigError("ATTNQUANT_BLOCKS", str(self.blocks), "an int >= 1 or 'layers'")
-            if self.blocks < 1:
-                raise ConfigError("ATTNQUANT_BLOCKS", str(self.blocks), "an int >= 1 or 'layers'")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise ConfigError("ATTNQUANT_RANK", str(self.rank), "a whole number >= 0")
-        if self.quant not in (None, "nvfp4"):
-            raise ConfigError("ATTNQUANT_QUANT", str(self.quant), "'nvfp4' or unset")
-        if self.nvfp4_kernel not in NVFP4_KERNELS:
-            raise ConfigError(
-                "ATTNQUANT_NVFP4_KERNEL", str(self.nvfp4_kernel), "one of auto, fused, dequantize"
-            )
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> AttnquantConfig:
-        """Parse every ``ATTNQUANT_*`` variable of ``env`` (``os.environ`` by default).
-
-        Raises
-        ------
-        ConfigError
-            A variable holds a value that is not allowed; the message names the
-            variable, the value and what is allowed.
-        """
-        env = os.environ if env is None else env
-        return cls(
-            blocks=_parse_blocks(env),
-            rank=_parse_rank(env),
-            precompute_outside=bool(_parse_bool(env, "ATTNQUANT_PRECOMPUTE_OUTSIDE", True)),
-            precompute=bool(_parse_bool(env, "ATTNQUANT_PRECOMPUTE", False)),
-            gemm=_parse_bool(env, "ATTNQUANT_GEMM", None),
-            qkv_fuse=bool(_parse_bool(env, "ATTNQUANT_QKV_FUSE", True)),
-            fused_mlp=bool(_parse_bool(env, "ATTNQUANT_FUSED_MLP", True)),
-            quant=_parse_quant(env),
-            nvfp4_kernel=_parse_nvfp4_kernel(env),
-            quant_head=bool(_parse_bool(env, "ATTNQUANT_QUANT_HEAD", False)),
-        )
-
-    @property
-    def passthrough(self) -> bool:
-        """Whether ``blocks`` asks for passthrough (``G = L``) explicitly."""
-        return self.blocks == "layers"
 
 
 ServingPath = Literal["precompute-outside", "gemm", "precompute", "custom-op"]
@@ -254,69 +57,65 @@ def _accelerator_api() -> str:
     return str(accelerator_api())
 
 
-def serving_path(config: AttnquantConfig, accelerator_api: str | None = None) -> ServingPath:
-    """The execution path (DESIGN §5) that ``config`` asks for.
+def serving_path(
+    options: ServingOptions, accelerator_api: str | None = None, *, compressed: bool = False
+) -> ServingPath:
+    """The execution path (docs/serving-paths.md) ``options`` ask for on a device.
 
-    ``ATTNQUANT_PRECOMPUTE=1`` is in-graph precompute whatever
-    ``ATTNQUANT_PRECOMPUTE_OUTSIDE`` says; ``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``
-    is an in-graph rebuild, GEMM or custom op as :func:`use_gemm_formulation`
-    decides (``accelerator_api`` defaults to ``max.driver.accelerator_api()``,
-    read only then).
+    ``auto`` is the stock graph (precompute-outside) unless the checkpoint is ``compressed``
+    (:func:`attnquant_max.plan_serving` decides that, and what else rules a path out), then an
+    in-graph path like ``in-graph``: GEMM or the custom op as :func:`use_gemm_formulation`
+    decides (``accelerator_api`` defaults to ``max.driver.accelerator_api()``, read only then).
     """
-    if config.precompute:
-        return "precompute"
-    if config.precompute_outside:
-        return "precompute-outside"
-    if config.gemm is None and accelerator_api is None:
+    path = options.path
+    if path == "auto":
+        path = "in-graph" if compressed else "precompute-outside"
+    if path != "in-graph":
+        return path  # type: ignore[return-value]
+    if accelerator_api is None:
         accelerator_api = _accelerator_api()
-    return "gemm" if use_gemm_formulation(config, accelerator_api or "cpu") else "custom-op"
+    return "gemm" if use_gemm_formulation(options, accelerator_api) else "custom-op"
 
 
-def require_implemented(config: AttnquantConfig, accelerator_api: str | None = None) -> None:
-    """Fail when ``config`` asks for an execution path this release does not serve.
+def require_implemented(options: ServingOptions) -> None:
+    """Fail when ``options`` ask for a combination this release does not serve.
 
-    Every path is served (precompute-outside with or without NVFP4, the GEMM
-    formulation, in-graph precompute, the custom op); NVFP4 on an in-graph path
-    is not, and must stop the server at start-up rather than silently serve
-    another. The custom op's rank limit is checked against the served rank by
-    :func:`attnquant_max.plan_serving`.
+    ``--quant nvfp4`` quantizes each ``W_eff`` rebuilt once at load, so it needs the
+    precompute-outside path (or ``auto``); asked with an in-graph path it stops the server at
+    start-up rather than silently serving another. (A checkpoint whose ``W0`` is already NVFP4
+    is served in the graph as stored: the plan handles it.)
 
     Raises
     ------
     NotImplementedError
-        Naming the variable to change.
+        Naming the options to change.
     """
-    if config.quant is not None and serving_path(config, accelerator_api or "cpu") != (
-        "precompute-outside"
-    ):
+    if options.quant is not None and options.in_graph_asked:
         raise NotImplementedError(
-            f"ATTNQUANT_QUANT={config.quant} quantizes each W_eff rebuilt once at load, so it "
-            "needs the precompute-outside path: unset ATTNQUANT_PRECOMPUTE and "
-            "ATTNQUANT_PRECOMPUTE_OUTSIDE (or set ATTNQUANT_PRECOMPUTE_OUTSIDE=1), or unset "
-            "ATTNQUANT_QUANT to rebuild in the graph"
+            f"--quant {options.quant} (ATTNQUANT_QUANT) quantizes each W_eff rebuilt once at load, "
+            f"so it needs the precompute-outside path, not --path {options.path}: pass --path "
+            "precompute-outside or auto (ATTNQUANT_PATH), or drop --quant to serve in the graph"
         )
 
 
-def use_gemm_formulation(config: AttnquantConfig, accelerator_api: str) -> bool:
+def use_gemm_formulation(options: ServingOptions, accelerator_api: str) -> bool:
     """Choose the in-graph formulation: ``True`` for GEMM, ``False`` for the custom op.
 
-    Parameters
-    ----------
-    config : AttnquantConfig
-        An explicit ``ATTNQUANT_GEMM`` (``config.gemm``) always wins.
-    accelerator_api : str
-        ``max.driver.accelerator_api()``: ``"cuda"``, ``"hip"``, ``"metal"`` or
-        ``"cpu"``.
+    ``--path gemm`` and ``--path custom-op`` always win; otherwise the device decides, and on a
+    CPU or Apple Metal the correction's rank (``options.rank``; the plan passes a theta
+    checkpoint's own).
     """
-    if config.gemm is not None:
-        return config.gemm
+    if options.path == "gemm":
+        return True
+    if options.path == "custom-op":
+        return False
     api = accelerator_api.lower()
     if api in ("cuda", "hip"):
         # NVIDIA (and AMD): vendor-tuned GEMMs beat a straightforward rebuild kernel.
         return True
     if api == "metal":
         # Apple Metal: the custom op up to the rank it supports, GEMM above.
-        return config.rank > CUSTOM_OP_MAX_RANK
+        return options.rank > CUSTOM_OP_MAX_RANK
     if api != "cpu":
         return True  # an accelerator nobody measured: the formulation that runs anywhere
     # CPU: the custom op up to its rank limit, GEMM above.
@@ -328,7 +127,7 @@ def use_gemm_formulation(config: AttnquantConfig, accelerator_api: str) -> bool:
     #   r=64: batch 1 0.26 [0.19, 0.35]   batch 16 0.55 [0.50, 0.61]
     # Decode (batch 1) is where serving spends its steps, and the custom op is 1.5-3.8x
     # faster there at every rank; GEMM wins only at r=4 with 16-row batches, by 1.19x.
-    return config.rank > CUSTOM_OP_MAX_RANK
+    return options.rank > CUSTOM_OP_MAX_RANK
 
 
 # -- devices ------------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from attnquant_core.calib import EvalResult, EvalTally
+from attnquant_core.serving import ServingOptions
 
-from ._config import GPU_ONLY_ARCHITECTURES, AttnquantConfig, _architecture, require_device
+from ._config import GPU_ONLY_ARCHITECTURES, _architecture, require_device
 from ._generate import LoadedModel, load_pipeline
 
 __all__ = [
@@ -99,7 +100,7 @@ def load_echo_pipeline(
     seq_len: int,
     devices: str = "cpu",
     quantization_encoding: str | None = None,
-    config: AttnquantConfig | None = None,
+    options: ServingOptions | None = None,
 ) -> LoadedModel:
     """:func:`load_pipeline` built for whole-window scoring (:data:`ECHO_OVERRIDES`) of windows
     up to ``seq_len`` tokens, at :func:`planned_length`."""
@@ -109,7 +110,7 @@ def load_echo_pipeline(
         max_batch_size=1,
         devices=devices,
         quantization_encoding=quantization_encoding,
-        config=config,
+        options=options,
         overrides=ECHO_OVERRIDES,
     )
 
@@ -164,7 +165,7 @@ def evaluate_max(
     *,
     devices: str = "cpu",
     quantization_encoding: str | None = None,
-    config: AttnquantConfig | None = None,
+    options: ServingOptions | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     spill_bytes: int = 1 << 31,
 ) -> list[EvalResult]:
@@ -190,7 +191,7 @@ def evaluate_max(
                 seq_len=T,
                 devices=devices,
                 quantization_encoding=quantization_encoding,
-                config=config,
+                options=options,
             ) as model:
                 for i in range(n):
                     lp = window_logprobs(model, windows[i, :-1])

@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ._config import AttnquantConfig, require_device, require_implemented
+from attnquant_core.serving import ServingOptions
+
+from ._config import require_device, require_implemented
 from ._serve import architectures_path
-from ._weights import config_override
 
 __all__ = [
     "AGREEMENT_THRESHOLD",
@@ -33,7 +34,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Native-equivalent (DESIGN §5): max |logprob delta| below this ...
+#: How a base is served for comparison: the stock graph, whatever the checkpoint.
+STOCK = ServingOptions(path="precompute-outside")
+
+#: Native-equivalent (docs/serving-paths.md): max |logprob delta| below this ...
 DELTA_THRESHOLD = 1.0
 #: ... and greedy-token agreement at least this.
 AGREEMENT_THRESHOLD = 0.9
@@ -86,7 +90,7 @@ def load_pipeline(
     max_batch_size: int = 1,
     devices: str = "cpu",
     quantization_encoding: str | None = None,
-    config: AttnquantConfig | None = None,
+    options: ServingOptions | None = None,
     overrides: Mapping[str, object] | None = None,
 ) -> LoadedModel:
     """Load ``model_path`` (theta or dense) through the attnquant MAX architectures.
@@ -103,27 +107,25 @@ def load_pipeline(
         MAX's devices string: ``"cpu"``, ``"gpu"``, ``"gpu:0"``.
     quantization_encoding : str, optional
         ``float32`` on CPU when not given; MAX's default elsewhere.
-    config : AttnquantConfig, optional
-        Used for this load instead of the ``ATTNQUANT_*`` variables.
+    options : ServingOptions, optional
+        What this load serves (default: the ``ATTNQUANT_*`` variables). The attnquant
+        architectures are registered with MAX bound to them for this load.
     overrides : mapping, optional
         More flat ``PipelineArgs`` fields for ``AutoModel`` (e.g. ``enable_echo``).
     """
-    effective = AttnquantConfig.from_env() if config is None else config
-    require_implemented(effective)
+    options = ServingOptions.from_env() if options is None else options
+    require_implemented(options)
     require_device(model_path, devices, quantization_encoding)  # Gemma on a CPU: say why
     if quantization_encoding is None and devices == "cpu":
         quantization_encoding = "float32"
     from max.pipelines import AutoModel, AutoTokenizer
 
-    fields: dict[str, object] = {
-        "max_length": max_length,
-        "custom_architectures": [str(architectures_path())],
-    }
+    _register_architectures(options)
+    fields: dict[str, object] = {"max_length": max_length}
     if quantization_encoding is not None:
         fields["quantization_encoding"] = quantization_encoding
     fields.update(overrides or {})
-    with config_override(effective):
-        model = AutoModel(str(model_path), max_batch_size=max_batch_size, devices=devices, **fields)
+    model = AutoModel(str(model_path), max_batch_size=max_batch_size, devices=devices, **fields)
     tokenizer = AutoTokenizer(str(model_path))
     return LoadedModel(
         path=Path(model_path),
@@ -132,6 +134,23 @@ def load_pipeline(
         max_batch_size=max_batch_size,
         max_length=max_length,
     )
+
+
+def _register_architectures(options: ServingOptions) -> None:
+    """Register the attnquant architectures with MAX, bound to ``options``, for the next load.
+
+    MAX looks the architecture up by name when a model is loaded; registering the variants
+    whose weight adapter carries ``options`` (with ``allow_override``, as MAX does for
+    ``custom_architectures``) is how a load in this process receives them. The folder of
+    :func:`architectures_path` is imported first, once, so MAX never registers it over ours.
+    """
+    from max.pipelines.lib.arch_lookup import ARCH_LOOKUP
+
+    from ._architectures import build_architectures
+
+    ARCH_LOOKUP.import_custom_architectures([str(architectures_path())])
+    for arch in build_architectures(options):
+        ARCH_LOOKUP.register(arch, allow_override=True)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -201,7 +220,7 @@ def greedy_logprobs(
 
 @dataclass(frozen=True, kw_only=True)
 class ParityReport:
-    """Logit parity of a served theta model against its base (DESIGN §5, §6).
+    """Logit parity of a served theta model against its base (docs/serving-paths.md).
 
     Attributes
     ----------
@@ -287,6 +306,7 @@ def logit_parity(
     max_batch_size: int = 8,
     devices: str = "cpu",
     quantization_encoding: str | None = None,
+    options: ServingOptions | None = None,
 ) -> ParityReport:
     """Compare ``theta_path`` served by attnquant with ``base_path`` served unchanged.
 
@@ -295,20 +315,20 @@ def logit_parity(
     here one at a time, or a :class:`LoadedModel` (used and left open). Prompts
     are text (encoded with the base tokenizer) or token ids.
 
-    A base loaded here ignores every ``ATTNQUANT_*`` variable: it is served on the
-    stock path (precompute-outside: a dense base as it is, a theta base rebuilt
-    once at load, unquantized), so ``logit_parity(B, B)`` under in-graph or
-    NVFP4 variables checks that execution path against the stock graph on the
-    same checkpoint. The theta side follows the ``ATTNQUANT_*`` variables.
+    A base loaded here ignores ``options``: it is served on the stock path
+    (precompute-outside: a dense base as it is, a theta base rebuilt once at load,
+    unquantized), so ``logit_parity(B, B, options=...)`` with an in-graph path or NVFP4 checks
+    that execution path against the stock graph on the same checkpoint. The theta side serves
+    ``options`` (default: the ``ATTNQUANT_*`` variables).
     """
-    config = AttnquantConfig.from_env()
+    options = ServingOptions.from_env() if options is None else options
     common: dict[str, Any] = {
         "max_length": max_length,
         "max_batch_size": max_batch_size,
         "devices": devices,
         "quantization_encoding": quantization_encoding,
     }
-    with _loaded(base_path, config=AttnquantConfig(), **common) as base:
+    with _loaded(base_path, options=STOCK, **common) as base:
         base_bytes = base.weight_bytes
         encoded = [base.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         continuations = [greedy_generate(base, ids, max_new_tokens) for ids in encoded]
@@ -316,7 +336,7 @@ def logit_parity(
             greedy_logprobs(base, ids, cont)
             for ids, cont in zip(encoded, continuations, strict=True)
         ]
-    with _loaded(theta_path, config=config, **common) as theta:
+    with _loaded(theta_path, options=options, **common) as theta:
         theta_bytes = theta.weight_bytes
         theta_scores = [
             greedy_logprobs(theta, ids, cont)

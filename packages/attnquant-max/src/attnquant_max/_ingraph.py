@@ -11,8 +11,8 @@ in every decoder block, the three modules that hold projection weights:
 
 Families banded with a ``W0`` stored in NVFP4 (format version 4) are NVFP4 layers with ``s``,
 ``U``, ``V`` in the same model, beside any float form, their packed bytes held once per band.
-:class:`NVFP4Llama3` swaps every projection for an NVFP4 layer (``ATTNQUANT_QUANT=nvfp4``).
-In either, ``ATTNQUANT_QUANT_HEAD=1`` swaps the head for one too (the state then holds
+:class:`NVFP4Llama3` swaps every projection for an NVFP4 layer (``--quant nvfp4``).
+In either, ``--quant-head`` swaps the head for one too (the state then holds
 ``lm_head.weight_scale_2``), and where the fused op serves on an AVX-512 CPU the pipeline
 model rewrites the packed weights in the tiled layout before the load (:func:`_tile_state`).
 
@@ -39,10 +39,10 @@ from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 
 from attnquant_core import FAMILIES
+from attnquant_core.serving import ServingOptions
 from attnquant_kernels import kernels_path
 from attnquant_kernels.layout import tile_nvfp4
 
-from ._config import serving_path
 from ._layers import ThetaBuilder, ThetaMLP
 from ._layout import InGraphLayout
 from ._nvfp4_layers import (
@@ -53,7 +53,7 @@ from ._nvfp4_layers import (
     nvfp4_fused,
     nvfp4_tiled,
 )
-from ._weights import config_override, current_config
+from ._plan import ServingPlan
 
 __all__ = [
     "NVFP4Llama3",
@@ -106,15 +106,22 @@ class ThetaLlama3(Llama3):
     ``layers.<i>.<family>.theta_{s,U,V}`` and the band weights of
     :mod:`attnquant_max._layout` for those. A family banded with an NVFP4 ``W0`` (GEMM path)
     keeps the checkpoint's names, ``attnquant.shared.<family>.<band>.W0_packed``, ``W0_scale``,
-    ``W0_scale_2`` held once per band, and runs as ``ATTNQUANT_NVFP4_KERNEL`` says (fused
+    ``W0_scale_2`` held once per band, and runs as ``options.nvfp4_kernel`` says (fused
     ``generated_linear_nvfp4`` or dequantized in the graph; ``auto`` timed once at start-up).
     """
 
-    def __init__(self, config: Llama3Config, layout: InGraphLayout, *, head: bool = False) -> None:
+    def __init__(
+        self,
+        config: Llama3Config,
+        layout: InGraphLayout,
+        *,
+        head: bool = False,
+        options: ServingOptions | None = None,
+    ) -> None:
         _refuse_unsupported(
             config,
             "the in-graph theta Llama (serve this model on the precompute-outside path: "
-            "ATTNQUANT_PRECOMPUTE_OUTSIDE=1, the default)",
+            "--path precompute-outside)",
         )
         super().__init__(config)
         shapes = _shapes(config)
@@ -126,9 +133,12 @@ class ThetaLlama3(Llama3):
                     f"config asks for {[shapes.get(f) for f in wrong]}"
                 )
         # NVFP4 bands, or the head alone in NVFP4 beside float forms: one choice for both.
-        fused = (layout.nvfp4 or head) and _nvfp4_kernel_fused(config.devices[0], shapes)
+        options = ServingOptions() if options is None else options
+        fused = (layout.nvfp4 or head) and _nvfp4_kernel_fused(
+            config.devices[0], shapes, options.nvfp4_kernel
+        )
         self.needs_kernels = fused
-        self.nvfp4_tiled = fused and nvfp4_tiled(config.devices[0])
+        self.nvfp4_tiled = fused and options.nvfp4_tiled and nvfp4_tiled(config.devices[0])
         builder = ThetaBuilder(
             layout,
             num_layers=config.num_hidden_layers,
@@ -161,15 +171,18 @@ class NVFP4Llama3(Llama3):
     ``mlp.gate_up_proj.*``, written by :func:`_merge_state`); fused in bfloat16, one each.
     """
 
-    def __init__(self, config: Llama3Config, *, head: bool = False) -> None:
-        _refuse_unsupported(config, "NVFP4 serving (ATTNQUANT_QUANT=nvfp4)")
+    def __init__(
+        self, config: Llama3Config, *, head: bool = False, options: ServingOptions | None = None
+    ) -> None:
+        _refuse_unsupported(config, "NVFP4 serving (--quant nvfp4)")
         super().__init__(config)
         shapes = _shapes(config)
         dtype, device = config.dtype, config.devices[0]
-        fused = _nvfp4_kernel_fused(device, shapes)
+        options = ServingOptions() if options is None else options
+        fused = _nvfp4_kernel_fused(device, shapes, options.nvfp4_kernel)
         self.needs_kernels = fused
-        self.nvfp4_tiled = tiled = fused and nvfp4_tiled(device)
-        self.nvfp4_merged = merged = fused and _nvfp4_merged(dtype)
+        self.nvfp4_tiled = tiled = fused and options.nvfp4_tiled and nvfp4_tiled(device)
+        self.nvfp4_merged = merged = fused and options.nvfp4_merge and _nvfp4_merged(dtype)
 
         def linear(family: str) -> NVFP4Linear:
             out_dim, in_dim = shapes[family]
@@ -245,7 +258,7 @@ def _merge_state(state: dict[str, Any]) -> int:
 
 
 def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool, tiled: bool) -> None:
-    """Swap the stock head for an NVFP4 one (``ATTNQUANT_QUANT_HEAD=1``): weights
+    """Swap the stock head for an NVFP4 one (``--quant-head``): weights
     ``lm_head.weight``, ``weight_scale``, ``weight_scale_2``, run as the projections run. A tied
     head stops sharing the embedding's weight: the embedding keeps its float table."""
     model.replace_module(
@@ -279,42 +292,48 @@ def _tile_state(state: dict[str, Any]) -> int:
     return len(pairs)
 
 
-def _nvfp4_kernel_fused(device: Any, shapes: Mapping[str, tuple[int, int]]) -> bool:
-    """generated_linear_nvfp4 or dequantize + matmul: ``ATTNQUANT_NVFP4_KERNEL``, or (auto)
-    timed once per process on the model's gate_proj shape, and logged."""
-    kernel = current_config().nvfp4_kernel
+def _nvfp4_kernel_fused(device: Any, shapes: Mapping[str, tuple[int, int]], kernel: str) -> bool:
+    """generated_linear_nvfp4 or dequantize + matmul: ``--nvfp4-kernel``, or (auto) timed once
+    per process on the model's gate_proj shape, and logged."""
     if kernel == "auto":
         return nvfp4_fused(device, *shapes["mlp.gate_proj"])
-    logger.info("NVFP4 projections on %s: %s (ATTNQUANT_NVFP4_KERNEL)", device, kernel)
+    logger.info("NVFP4 projections on %s: %s (--nvfp4-kernel)", device, kernel)
     return kernel == "fused"
 
 
-#: The per-tensor scale of an NVFP4 head (``ATTNQUANT_QUANT_HEAD=1``), in MAX names.
+#: The per-tensor scale of an NVFP4 head (``--quant-head``), in MAX names.
 HEAD_SCALE_2 = "lm_head.weight_scale_2"
 
 
 def _is_nvfp4_state(state_dict: Mapping[str, Any]) -> bool:
-    """Whether the projections are NVFP4 (``ATTNQUANT_QUANT=nvfp4``); the head is not asked."""
+    """Whether the projections are NVFP4 (``--quant nvfp4``); the head is not asked."""
     return any(key.endswith(".weight_scale_2") and key != HEAD_SCALE_2 for key in state_dict)
 
 
-def _layout_of(state_dict: Mapping[str, Any]) -> InGraphLayout | None:
-    """The in-graph layout of ``state_dict`` (``None``: dense); the config picks the custom op.
+def _layout_of(state_dict: Mapping[str, Any], plan: ServingPlan) -> InGraphLayout | None:
+    """The in-graph layout of ``state_dict`` (``None``: dense); the plan picks the custom op.
 
-    The custom op reads the same tensors as in-graph precompute, so the serving path
-    (:func:`attnquant_max.serving_path`) tells them apart, not the state. A state with no
-    banded family reads back as a GEMM layout (its factors are the same on both paths); the
-    plan serves it on the custom op only when ``ATTNQUANT_GEMM=0`` asks for it.
+    The custom op reads the same tensors as in-graph precompute, so the plan's path tells them
+    apart, not the state. A state with no banded family reads back as a GEMM layout (its
+    factors are the same on both paths); the plan serves it on the custom op only when
+    ``--path custom-op`` asks for it.
     """
-    config = current_config()
+    options = plan.options
     shapes = {k: [int(d) for d in v.shape] for k, v in state_dict.items()}
-    layout = InGraphLayout.from_state(shapes, FAMILIES, fuse=config.qkv_fuse)
-    if layout is None or serving_path(config) != "custom-op":
+    layout = InGraphLayout.from_state(shapes, FAMILIES, fuse=options.qkv_fuse)
+    if layout is None or plan.path != "custom-op":
         return layout
     factored_only = not layout.groups and not layout.nvfp4 and not layout.stacked
-    if not layout.gemm or (config.gemm is False and factored_only):
-        layout = dataclasses.replace(layout, custom_op=True, fused_mlp=config.fused_mlp)
+    if not layout.gemm or (options.path == "custom-op" and factored_only):
+        layout = dataclasses.replace(layout, custom_op=True, fused_mlp=options.fused_mlp)
     return layout
+
+
+def _plan_of(state_dict: Mapping[str, Any]) -> ServingPlan | None:
+    """The plan the weight adapter made this state under (an
+    :class:`attnquant_max._adapter.PlannedState`); ``None`` for a state a stock adapter made
+    (a GGUF checkpoint, served as MAX serves it)."""
+    return getattr(state_dict, "plan", None)
 
 
 class ThetaLlama3Model(Llama3Model):
@@ -330,25 +349,25 @@ class ThetaLlama3Model(Llama3Model):
     _prepared_state: Any = None  # the state dict already merged and tiled for the fused op
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
-        head = HEAD_SCALE_2 in self.state_dict  # ATTNQUANT_QUANT_HEAD=1
+        plan = _plan_of(self.state_dict)
+        if plan is None:  # a stock adapter's state (GGUF): the stock model
+            return dict(super().graph_specs(model_config))
+        head = HEAD_SCALE_2 in self.state_dict  # --quant-head
         if _is_nvfp4_state(self.state_dict):
-            self._single_device(
-                "NVFP4 serving (ATTNQUANT_QUANT=nvfp4) runs on one device", model_config
-            )
-            model = NVFP4Llama3(model_config, head=head)
+            self._single_device("NVFP4 serving (--quant nvfp4) runs on one device", model_config)
+            model = NVFP4Llama3(model_config, head=head, options=plan.options)
             specs = {GraphRole.DECODER: self._spec(model_config, model)}
-        elif (layout := _layout_of(self.state_dict)) is None:
+        elif (layout := _layout_of(self.state_dict, plan)) is None:
             if head:
                 raise ValueError("an NVFP4 head is served beside NVFP4 projections only")
             specs = dict(super().graph_specs(model_config))
         else:
             self._single_device(
                 "the in-graph theta paths run on one device; serve on several with "
-                "ATTNQUANT_PRECOMPUTE_OUTSIDE=1 (the default)"
-                + (" and ATTNQUANT_QUANT unset" if layout.nvfp4 else ""),
+                "--path precompute-outside" + (" and no --quant" if layout.nvfp4 else ""),
                 model_config,
             )
-            model = ThetaLlama3(model_config, layout, head=head)
+            model = ThetaLlama3(model_config, layout, head=head, options=plan.options)
             specs = {GraphRole.DECODER: self._spec(model_config, model)}
         self.weight_bytes = _nbytes(specs[GraphRole.DECODER].weights_registry())
         return specs
@@ -409,13 +428,12 @@ def _nbytes(weights: Mapping[str, Any]) -> int:
     return total
 
 
-def decoder_graph(loaded: Any, config: Any) -> tuple[Graph, int]:
-    """Trace, without compiling, the decoder ``loaded``'s checkpoint would get under ``config``.
+def decoder_graph(loaded: Any, options: ServingOptions) -> tuple[Graph, int]:
+    """Trace, without compiling, the decoder ``loaded``'s checkpoint would get under ``options``.
 
-    Runs the architecture's weight adapter on the checkpoint again under
-    ``config`` (an :class:`attnquant_max.AttnquantConfig`), builds the model the
-    pipeline model would build, and traces it. For measurements: the matmuls in
-    the IR (:func:`count_matmuls`) and the weight bytes.
+    Runs the architecture's weight adapter on the checkpoint again with ``options``, builds the
+    model the pipeline model would build, and traces it. For measurements: the matmuls in the
+    IR (:func:`count_matmuls`) and the weight bytes.
 
     Parameters
     ----------
@@ -432,16 +450,16 @@ def decoder_graph(loaded: Any, config: Any) -> tuple[Graph, int]:
     pm = loaded.model.pipeline._pipeline_model
     if not isinstance(pm, ThetaLlama3Model):
         raise TypeError(f"decoder_graph needs an attnquant Llama model, got {type(pm).__name__}")
-    with config_override(config):
-        state = pm.adapter(
-            dict(pm.weights.items()),
-            huggingface_config=pm.huggingface_config,
-            pipeline_config=pm.pipeline_config,
-        )
-        probe = ThetaLlama3Model.__new__(ThetaLlama3Model)
-        probe.__dict__.update(pm.__dict__)
-        probe.state_dict = state
-        specs = probe.graph_specs(probe._create_model_config(state))
+    adapter = dataclasses.replace(pm.adapter, options=options)
+    state = adapter(
+        dict(pm.weights.items()),
+        huggingface_config=pm.huggingface_config,
+        pipeline_config=pm.pipeline_config,
+    )
+    probe = ThetaLlama3Model.__new__(ThetaLlama3Model)
+    probe.__dict__.update(pm.__dict__)
+    probe.state_dict = state
+    specs = probe.graph_specs(probe._create_model_config(state))
     spec = specs[GraphRole.DECODER]
     return spec.trace(), _nbytes(spec.weights_registry())
 

@@ -1,8 +1,8 @@
 """The tensors the in-graph paths feed to MAX, and their names (numpy only).
 
-On the in-graph paths (DESIGN §5.2, and ``ATTNQUANT_PRECOMPUTE=1``) the served
+On the in-graph paths (docs/serving-paths.md, and ``ATTNQUANT_PRECOMPUTE=1``) the served
 graph holds the theta tensors themselves, never ``W_eff``. The names are the
-theta checkpoint's (DESIGN §4), plus two kinds of tensor built at load for the
+theta checkpoint's (docs/checkpoint-format.md), plus two kinds of tensor built at load for the
 GEMM formulation:
 
 ``<stack>.<i>.<family>.theta_s`` ``[out]`` and ``theta_U`` ``[out, r]``

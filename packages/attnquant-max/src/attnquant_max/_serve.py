@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from attnquant_core import AttnquantError
+from attnquant_core.serving import ServingOptions
 
-from ._config import AttnquantConfig, require_device, require_implemented
+from ._config import require_device, require_implemented
 
 __all__ = [
     "PortInUseError",
@@ -113,19 +114,23 @@ def serve_command(
 
 
 def serve_env(
-    env: Mapping[str, str] | None = None, *, offline: bool = True, **attnquant: str
+    options: ServingOptions | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    offline: bool = True,
 ) -> dict[str, str]:
-    """The environment for :func:`serve_command`: ``env`` (``os.environ``) plus offline settings.
+    """The environment for :func:`serve_command`: ``env`` (``os.environ``), offline settings, and
+    ``options`` as canonical ``ATTNQUANT_*`` variables (:meth:`ServingOptions.to_env`).
 
-    Telemetry off, ``HF_HUB_OFFLINE=1`` when ``offline``, and the
-    ``attnquant_max`` logger let through max serve's log filter.
-
-    ``attnquant`` sets ``ATTNQUANT_*`` variables by their lower-case suffix
-    (``blocks="layers"``, ``rank="16"``). The result is validated as the server
-    will read it, so a bad value or an unimplemented path fails here, before a
-    subprocess starts.
+    Telemetry off, ``HF_HUB_OFFLINE=1`` when ``offline``, and the ``attnquant_max`` logger let
+    through max serve's log filter. ``options`` default to ``env``'s own variables, checked here
+    (a bad value, or a combination this release does not serve, fails before a process starts);
+    the ``max serve`` child reads them back once, at import of the architectures.
     """
-    out = dict(os.environ if env is None else env)
+    base = dict(os.environ if env is None else env)
+    options = ServingOptions.from_env(base) if options is None else options
+    require_implemented(options)
+    out = options.to_env(base)
     out.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
     # max serve's log handlers drop every logger outside max.* unless named here;
     # attnquant_max logs the chosen path and G, r once at load.
@@ -134,9 +139,6 @@ def serve_env(
         out["MAX_SERVE_LOGS_ENABLE_COMPONENTS"] = ",".join([*components, "attnquant_max"])
     if offline:
         out["HF_HUB_OFFLINE"] = "1"
-    for name, value in attnquant.items():
-        out[f"ATTNQUANT_{name.upper()}"] = str(value)
-    require_implemented(AttnquantConfig.from_env(out))
     return out
 
 

@@ -1,6 +1,6 @@
 """How each layer of a theta family is served on the GEMM path: the per-layer choice (numpy only).
 
-Every form of the identity (DESIGN §1) runs in the graph holding only its stored tensors:
+Every form of the identity (docs/architecture.md) runs in the graph holding only its stored tensors:
 
 ``banded``
     ``y = s * (x W0^T) + (x V) U^T`` with the band's ``W0`` held once (the ``W0V`` band

@@ -147,16 +147,14 @@ def graph_lock(name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def load_tiny(path: Path, config: Any = None) -> Any:
-    """``load_pipeline`` of a tiny checkpoint at the suites' one serving size, offline."""
-    from ._config import AttnquantConfig
-    from ._generate import load_pipeline
+def load_tiny(path: Path, options: Any = None) -> Any:
+    """``load_pipeline`` of a tiny checkpoint at the suites' one serving size, offline, with
+    ``options`` (default: the stock graph, ``--path precompute-outside``)."""
+    from ._generate import STOCK, load_pipeline
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
-    return load_pipeline(
-        path, **TINY_SERVING, config=AttnquantConfig() if config is None else config
-    )
+    return load_pipeline(path, **TINY_SERVING, options=STOCK if options is None else options)
 
 
 def write_tiny_bundle(dense: Path, out: Path, *, rank: int = TINY_RANK, seed: int = 1) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fit._spec import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from ..io._calibration import CalibrationError
 
 __all__ = [
@@ -29,10 +30,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: What SVD-LLM and Basis Sharing calibrate with (they use 256 x 2048 on 7B models; 128 x 512
-#: holds 65k tokens, enough for a gram of width 8192 to be well conditioned after damping).
-DEFAULT_SAMPLES = 128
-DEFAULT_SEQ_LEN = 512
+# DEFAULT_SAMPLES and DEFAULT_SEQ_LEN: the windows' defaults, kept with decompose's other
+# defaults in attnquant_core.fit._spec (decompose --calibration-data cuts the same windows).
 
 
 def _jsonl(path: Path) -> list[str]:

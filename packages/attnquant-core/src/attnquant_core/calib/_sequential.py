@@ -36,14 +36,15 @@ from pathlib import Path
 import numpy as np
 
 from .. import llama_reference as ref
+from .._errors import DecompositionError
 from ..fit._allocate import allocate
 from ..fit._budget import _with_choices, _with_measured
 from ..fit._decompose import DEFAULT_SVD, SVDOptions, check_rank
 from ..fit._sequential import left_factor, refit_coefficients, sequential_error, sequential_target
+from ..fit._spec import DecomposeSpec, spec_from
 from ..fit._spectra import (
     _LOWRANK_SEED,
     _SIDE_SEED,
-    DEFAULT_FORMS,
     _band_basis,
     _band_mean,
     _checkpoint_sources,
@@ -245,7 +246,7 @@ def decompose_calibrated(
     windows: np.ndarray,
     out: str | Path,
     *,
-    sequential: bool = True,
+    sequential: bool | None = None,
     budget: float | None = None,
     blocks: int | str | None = None,
     rank: int | None = None,
@@ -256,21 +257,29 @@ def decompose_calibrated(
     data: Sequence[str] = (),
     progress: Callable[[str, int, int], None] | None = None,
     overwrite: bool = False,
+    spec: DecomposeSpec | None = None,
 ) -> dict:
     """Calibrate ``source`` (a dense checkpoint the numpy forward runs) on ``windows`` ``[n, T]``
     and decompose it to ``out``, sequentially or not (see the module docstring).
 
-    ``budget`` or ``blocks``/``rank`` as for :func:`attnquant_core.decompose_checkpoint`.
-    ``data`` names the text the windows came from (recorded). ``progress(stage, done, total)``
-    is called per layer of each pass (``"calibrating"``, ``"sequential fit"``). Returns the
-    manifest; its ``"calibration"`` says whether the fit was sequential, the windows' digest and
-    token count. Nothing is left at ``out`` if anything fails.
+    ``budget`` or ``blocks``/``rank`` as for :func:`attnquant_core.decompose_checkpoint`,
+    ``sequential=None`` sequential; or all of them as one ``spec`` (its ``quant`` and
+    ``calibration`` refused). ``data`` names the text the windows came from (recorded).
+    ``progress(stage, done, total)`` is called per layer of each pass (``"calibrating"``,
+    ``"sequential fit"``). Returns the manifest; its ``"calibration"`` says whether the fit was
+    sequential, the windows' digest and token count. Nothing is left at ``out`` if anything
+    fails.
     """
+    if spec is not None and sequential is not None:
+        raise DecompositionError("pass spec= or sequential=, not both")
+    spec = spec_from(spec, budget=budget, blocks=blocks, rank=rank)
+    if spec.quant is not None or spec.calibration is not None:
+        raise CalibrationError("decompose_calibrated: quant= and calibration= are not supported")
+    budget = spec.budget
+    sequential = spec.effective_sequential if sequential is None else sequential
     if source.theta:
         raise CalibrationError(f"{source.path}: a theta checkpoint; decompose a dense one")
     windows = np.asarray(windows, dtype=np.int64)
-    if budget is not None and (blocks is not None or rank is not None):
-        raise CalibrationError("pass either budget= or blocks=/rank=, not both")
     record: dict[str, object] = {
         "sequential": bool(sequential),
         "data": [str(d) for d in data],
@@ -296,21 +305,16 @@ def decompose_calibrated(
         if not sequential:
             assert cal is not None
             rec = dict(record, path="calibration data, in the same pass")
-            return decompose_checkpoint(
-                ckpt,
-                out,
-                blocks=blocks,
-                rank=rank,
-                budget=budget,
-                dtype=dtype,
-                svd=svd,
-                overwrite=overwrite,
+            fit = DecomposeSpec(  # the fit's options, on the statistics made in this pass
+                blocks=spec.blocks, rank=spec.rank, budget=budget, forms=spec.forms,
                 calibration=Calibration(stats=cal.stats, damping=damping, data=rec),
+            )  # fmt: skip
+            return decompose_checkpoint(
+                ckpt, out, spec=fit, dtype=dtype, svd=svd, overwrite=overwrite
             )
         return _sequential(
-            source, ckpt, windows, out, cal=cal, budget=budget, blocks=blocks, rank=rank,
-            dtype=dtype, svd=svd, damping=damping, batch=batch, record=record,
-            progress=progress, overwrite=overwrite,
+            source, ckpt, windows, out, cal=cal, spec=spec, dtype=dtype, svd=svd,
+            damping=damping, batch=batch, record=record, progress=progress, overwrite=overwrite,
         )  # fmt: skip
 
 
@@ -321,9 +325,7 @@ def _sequential(
     out: str | Path,
     *,
     cal: Calibration | None,
-    budget: float | None,
-    blocks: int | str | None,
-    rank: int | None,
+    spec: DecomposeSpec,
     dtype,
     svd: SVDOptions,
     damping: float,
@@ -343,14 +345,15 @@ def _sequential(
     plans: dict[str, _Plan] = {}
     whitened_reads: dict[str, Callable[[int], np.ndarray]] = {}
     report = None
+    budget = spec.budget
     if budget is not None:
         assert cal is not None
         sources = _checkpoint_sources(ckpt, dtype, cal)
         spectra = _spectra_all(
-            sources, forms=DEFAULT_FORMS, banded_blocks=None, shared_blocks=None,
+            sources, forms=spec.forms, banded_blocks=None, shared_blocks=None,
             cap_budget=budget, svd=svd,
         )  # fmt: skip
-        report = allocate(spectra, budget, DEFAULT_FORMS)
+        report = allocate(spectra, budget, spec.forms)
         for s in sources:
             ch = report.families[s.name]
             plans[s.name] = _Plan(
@@ -360,8 +363,8 @@ def _sequential(
         record["allocation"] = ALLOCATION
         record["stats_digest"] = cal.stats.digest
     else:
-        G = resolve_blocks(1 if blocks is None else blocks, L)
-        r = 16 if rank is None else rank
+        G = resolve_blocks(spec.effective_blocks, L)
+        r = spec.effective_rank
         for name, info in ckpt.families.items():
             check_rank(name, info.shape, r)
             plans[name] = _Plan(form="banded", blocks=G, side=None, ranks=[r] * L)

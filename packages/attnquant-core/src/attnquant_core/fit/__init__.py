@@ -5,6 +5,7 @@
 * :func:`fit_layer` and :func:`decompose_family` (banded fits of one family in memory),
   :func:`decompose_checkpoint` (a whole checkpoint, streamed, written as a theta checkpoint);
 * the global budget: :func:`fit_budget`, :func:`decompose_budget`, :func:`budget_frontier`;
+* :class:`DecomposeSpec`: the options of one decomposition with their defaults, checked once;
 * function-preserving alignment of a family's layers: :func:`align_state`,
   :func:`align_checkpoint` and their inverse :func:`unalign_state`;
 * error against compression: :func:`analyze_checkpoint`, :func:`sweep`.
@@ -39,6 +40,17 @@ from ._decompose import (
 from ._frontier import FrontierPoint, budget_frontier
 from ._gptq import ROUNDINGS, check_rounding, gptq_nvfp4
 from ._output_analysis import OUTPUT_ERROR_DEFINITION, coverage_record
+from ._spec import (
+    DEFAULT_BLOCKS,
+    DEFAULT_QUANT_BLOCKS,
+    DEFAULT_RANK,
+    DEFAULT_ROUNDING,
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_SEQUENTIAL,
+    DecomposeSpec,
+    parse_budget,
+)
 from ._spectra import BUDGET_EXACT_MAX_DIM, DEFAULT_FORMS
 from ._svd import EXACT_MAX_DIM, LowRank, randomized_svd, truncated_svd
 from ._theta_checkpoint import decompose_checkpoint, rebuild_dense_state
@@ -60,6 +72,16 @@ __all__ = [
     "ROUNDINGS",
     "check_rounding",
     "gptq_nvfp4",
+    # one decomposition's options and their defaults, checked once
+    "DEFAULT_BLOCKS",
+    "DEFAULT_QUANT_BLOCKS",
+    "DEFAULT_RANK",
+    "DEFAULT_ROUNDING",
+    "DEFAULT_SAMPLES",
+    "DEFAULT_SEQUENTIAL",
+    "DEFAULT_SEQ_LEN",
+    "DecomposeSpec",
+    "parse_budget",
     # whole checkpoints
     "DecomposeProgress",
     "decompose_checkpoint",

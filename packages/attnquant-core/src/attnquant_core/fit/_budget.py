@@ -55,7 +55,8 @@ from ._align_transforms import aligned_record
 from ._allocate import BudgetReport, FamilyChoice, allocate, check_budget
 from ._budget_fit import family_from, fit_family
 from ._decompose import DEFAULT_SVD, DecomposeProgress, SVDOptions, check_family_weights
-from ._gptq import check_rounding, rounding_fields
+from ._gptq import rounding_fields
+from ._spec import DEFAULT_ROUNDING, DecomposeSpec, spec_from
 from ._spectra import DEFAULT_FORMS, _check_forms, _checkpoint_sources, _Source
 from ._spectra_nvfp4 import budget_spectra
 from ._whitened import Calibration, as_calibration
@@ -166,7 +167,7 @@ def decompose_budget(
     src: str | Path | Checkpoint,
     out: str | Path,
     *,
-    budget: float,
+    budget: float | None = None,
     forms: Sequence[str] = DEFAULT_FORMS,
     banded_blocks: Sequence[int] | None = None,
     shared_blocks: Sequence[int] | None = None,
@@ -178,7 +179,8 @@ def decompose_budget(
     aligned_from: str | Path | None = None,
     calibration: str | Path | CalibrationStats | Calibration | None = None,
     quant: str | None = None,
-    rounding: str = "gptq",
+    rounding: str = DEFAULT_ROUNDING,
+    spec: DecomposeSpec | None = None,
 ) -> BudgetReport:
     """Decompose a checkpoint at a global ``budget`` into a theta checkpoint (format v2) at ``out``.
 
@@ -202,11 +204,16 @@ def decompose_budget(
     ``stored_bytes``, and ``quant`` where its ``W0`` is quantized. ``rounding``: as in
     :func:`attnquant_core.decompose_checkpoint` (GPTQ for a quantized ``W0`` whose band the
     statistics cover, both in its spectra and in its fit).
+
+    ``spec``: ``budget=``, ``forms=``, ``calibration=``, ``quant=`` and ``rounding=`` as one
+    :class:`~attnquant_core.DecomposeSpec` (validated when made), instead of those keywords.
     """
-    check_rounding(rounding)
-    cal = as_calibration(calibration)
-    budget = check_budget(budget)
-    forms = _check_forms(forms)
+    spec = spec_from(
+        spec, budget=budget, forms=forms, calibration=calibration, quant=quant, rounding=rounding
+    )
+    budget = check_budget(spec.budget)  # a spec without a budget: refused in one line
+    forms, quant, rounding = tuple(spec.forms), spec.quant, spec.rounding
+    cal = as_calibration(spec.calibration)
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     aligned = None if aligned_from is None else aligned_record(ckpt)
     sources = _checkpoint_sources(ckpt, dtype, cal, rounding)

@@ -16,7 +16,7 @@ from ..forms._identity import compute_dtype
 
 __all__ = ["EXACT_MAX_DIM", "LowRank", "compute_dtype", "randomized_svd", "truncated_svd"]
 
-#: Matrices whose smaller side is at most this use an exact SVD (DESIGN §1).
+#: Matrices whose smaller side is at most this use an exact SVD (docs/architecture.md).
 EXACT_MAX_DIM = 256
 
 Normalizer = Literal["auto", "LU", "QR", "none"]

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .._errors import (
-    DecompositionError,
-)
 from ..forms._bands import band_of_layers, band_sizes, group_blocks, resolve_blocks
 from ..forms._identity import compute_dtype
 from ..io._atomic import atomic_directory, copy_side_files
@@ -53,7 +50,8 @@ from ._decompose import (
     fit_layer,
     quantized_band,
 )
-from ._gptq import band_gram, check_rounding, rounding_fields
+from ._gptq import band_gram, rounding_fields
+from ._spec import DEFAULT_BLOCKS, DEFAULT_ROUNDING, DecomposeSpec, spec_from
 from ._whitened import Calibration, as_calibration, fit_layer_whitened
 
 __all__ = ["decompose_checkpoint", "rebuild_dense_state"]
@@ -74,14 +72,17 @@ def decompose_checkpoint(
     aligned_from: str | Path | None = None,
     calibration: str | Path | CalibrationStats | Calibration | None = None,
     quant: str | None = None,
-    rounding: str = "gptq",
+    rounding: str = DEFAULT_ROUNDING,
+    spec: DecomposeSpec | None = None,
 ) -> dict:
     """Decompose every projection family of a checkpoint into a theta checkpoint at ``out``.
 
-    With ``blocks`` (default 1) and ``rank`` (default 16): every family banded, ``G`` bands,
-    rank ``r``. With ``budget`` (stored / dense parameters, in ``(0, 1]``) instead: the form and
-    the ranks of each family and layer are chosen to minimise the total squared error at that
-    size (:func:`attnquant_core.decompose_budget`); ``budget`` excludes ``blocks`` and ``rank``.
+    With ``blocks`` (default 1, :data:`~attnquant_core.fit.DEFAULT_BLOCKS`, with ``quant=``
+    too) and ``rank`` (default :data:`~attnquant_core.fit.DEFAULT_RANK`): every family banded,
+    ``G`` bands, rank ``r``. With ``budget`` (stored / dense parameters, in ``(0, 1]``)
+    instead: the form and the ranks of each family and layer are chosen to minimise the total
+    squared error at that size (:func:`attnquant_core.decompose_budget`); ``budget`` excludes
+    ``blocks`` and ``rank``.
 
     Streams: each band's ``W0`` is accumulated one layer at a time, then each layer is read
     again for ``s``, the residual and its SVD, and written in place; peak memory follows the
@@ -109,33 +110,40 @@ def decompose_checkpoint(
     the band's input gram, :func:`~attnquant_core.fit._gptq.gptq_nvfp4`, recorded as the
     family's ``"rounding"``) or ``"nearest"`` (modelopt's round to nearest, as without
     statistics).
+
+    ``spec``: these options as one :class:`~attnquant_core.DecomposeSpec` (validated when
+    made; its ``blocks`` default is passthrough with ``quant``), instead of ``blocks=`` ...
+    ``rounding=``. Its ``align`` and ``calibration_data`` are its callers' to act on
+    (:func:`~attnquant_core.align_checkpoint`, :func:`~attnquant_core.calib.decompose_calibrated`).
     """
-    check_rounding(rounding)
-    cal = as_calibration(calibration)
-    if budget is not None:
-        if blocks is not None or rank is not None:
-            raise DecompositionError(
-                "budget= chooses every family's form, bands and ranks; pass either budget= "
-                "or blocks=/rank=, not both"
-            )
+    if spec is None and blocks is None and budget is None:
+        blocks = DEFAULT_BLOCKS  # the keyword API's band mean, with quant= too
+    spec = spec_from(
+        spec,
+        blocks=blocks,
+        rank=rank,
+        budget=budget,
+        calibration=calibration,
+        quant=quant,
+        rounding=rounding,
+    )
+    if spec.budget is not None:
         report = decompose_budget(
             src,
             out,
-            budget=budget,
+            spec=spec,
             dtype=dtype,
             svd=svd,
             progress=progress,
             max_shard_bytes=max_shard_bytes,
             overwrite=overwrite,
             aligned_from=aligned_from,
-            calibration=cal,
-            quant=quant,
-            rounding=rounding,
         )
         assert report.manifest is not None
         return report.manifest
-    blocks = 1 if blocks is None else blocks
-    rank = 16 if rank is None else rank
+    cal = as_calibration(spec.calibration)
+    blocks, rank = spec.effective_blocks, spec.effective_rank
+    quant, rounding = spec.quant, spec.rounding
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     aligned = None if aligned_from is None else aligned_record(ckpt)
     G = resolve_blocks(blocks, ckpt.num_layers)

@@ -1,6 +1,6 @@
 """The theta checkpoint's manifest, ``attnquant.json``: its keys, its entries, its checks.
 
-The theta checkpoint (DESIGN §4): a Hugging Face directory plus theta keys and ``attnquant.json``.
+The theta checkpoint (docs/checkpoint-format.md): a Hugging Face directory plus theta keys and ``attnquant.json``.
 
 Writes go to a temporary directory that is renamed into place when complete; reads are lazy
 (headers at open, tensors on demand) and validate every theta key against its band's ``W0``.

@@ -1,0 +1,220 @@
+"""The tensors a plan hands to MAX: rebuilt dense, quantized at load, or the theta tensors.
+
+Each function reads the checkpoint of a :class:`attnquant_max.ServingPlan` lazily (one family,
+band or layer at a time where the form allows) and yields ``(name, array)`` under the original
+Hugging Face names, in the source dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from attnquant_core import (
+    CheckpointError,
+    ThetaCheckpoint,
+    decompose_family,
+    dtype_from_name,
+    open_checkpoint,
+    parse_projection_key,
+    rebuild_dense_state,
+)
+from attnquant_core.io import nvfp4_key
+
+from ._layout import ingraph_tensors
+from ._tensors import nvfp4_tensors
+
+if TYPE_CHECKING:
+    from ._plan import ServingPlan
+
+__all__ = ["HEAD_KEY", "dense_state", "quantized_state", "theta_state", "with_nvfp4_head"]
+
+#: The output head of a Hugging Face Llama checkpoint (``--quant-head`` quantizes it).
+HEAD_KEY = "lm_head.weight"
+_EMBEDDING_KEY = "embed_tokens.weight"
+
+
+def _nvfp4_parts(key: str, q: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """The three tensors of an NVFP4 ``<prefix>.weight``, as :mod:`._nvfp4_layers` reads them."""
+    prefix = key[: -len(".weight")]
+    yield key, q.weight
+    yield f"{prefix}.weight_scale", q.weight_scale.view(np.uint8)
+    yield f"{prefix}.weight_scale_2", np.asarray(q.weight_scale_2, np.float32).reshape(1)
+
+
+def with_nvfp4_head(
+    items: Iterable[tuple[str, np.ndarray]], *, model_path: str | Path = ""
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``items`` with the output head ``lm_head.weight`` quantized to NVFP4 (three tensors).
+
+    A tied model has no ``lm_head.weight``: its head is quantized from the embedding table,
+    which is passed on unchanged (the embedding gathers float rows; the head reads 4.5 bits per
+    weight). Everything else passes unchanged.
+
+    Raises
+    ------
+    CheckpointError
+        Neither a head nor an embedding table to quantize it from.
+    NVFP4Error
+        The head holds NaN/Inf, or its input size is not a multiple of 16.
+    """
+    from ._nvfp4 import quantize_nvfp4
+
+    embedding: tuple[str, np.ndarray] | None = None
+    head = False
+    for key, array in items:
+        if key == HEAD_KEY:
+            head = True
+            yield from _nvfp4_parts(key, quantize_nvfp4(array, name=key))
+            continue
+        if key.endswith(_EMBEDDING_KEY) and embedding is None:
+            embedding = (key, array)
+        yield key, array
+    if head:
+        return
+    if embedding is None:
+        raise CheckpointError(
+            f"{model_path}: --quant-head (ATTNQUANT_QUANT_HEAD) found neither {HEAD_KEY} nor an "
+            f"{_EMBEDDING_KEY} (a tied head) to quantize"
+        )
+    yield from _nvfp4_parts(HEAD_KEY, quantize_nvfp4(embedding[1], name=embedding[0]))
+
+
+def theta_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+    """In-graph paths: every tensor the theta model reads (original names, source dtype);
+    with :attr:`head_nvfp4`, the output head quantized (:func:`with_nvfp4_head`).
+
+    The checkpoint's other tensors (embeddings, norms, head), then the
+    theta tensors of :func:`attnquant_max._layout.ingraph_tensors`: ``W0V``
+    band weights and every other form's factors (or, where they are not smaller,
+    the layer's dense weight rebuilt once) on the GEMM path, ``W0`` and ``theta_V`` on
+    the in-graph precompute path. A dense checkpoint is decomposed here, with
+    ``G``, ``r`` of the plan (passthrough: ``W0 = W``, ``s = 1``, no correction).
+    Every float family is held in memory at once (q/k/v share band weights); the families
+    of :attr:`nvfp4_families` are read one band and one layer at a time and handed on as
+    stored (:func:`attnquant_max._tensors.nvfp4_tensors`): nothing is dequantized.
+
+    Raises
+    ------
+    attnquant_core.CheckpointError
+        An NVFP4 block scale byte is NaN (0x7F/0xFF) or a per-tensor scale is not finite
+        and positive; the message names the key.
+    """
+    return _with_head(plan, _theta_tensors(plan))
+
+
+def _theta_tensors(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+    """:meth:`theta_state` before the head is quantized."""
+    families: dict[str, Any] = {}
+    dtypes: dict[str, np.dtype] = {}
+    if plan.source == "theta":
+        ckpt = ThetaCheckpoint.open(plan.model_path, blocks=plan.options.blocks)
+        for key in ckpt.copied_keys():
+            yield key, ckpt.tensors.get(key)
+        stack = ckpt.stack
+        for name, fam in ckpt.families.items():
+            dtype = dtype_from_name(fam.get("source_dtype", fam["dtype"]))
+            if name in plan.nvfp4_families:
+                yield from nvfp4_tensors(
+                    name,
+                    projection=ckpt.projection_of(name),
+                    stack=stack,
+                    bands=_checked_nvfp4(plan, ckpt, name),
+                    layers=((i, ckpt.layer(name, i)) for i in ckpt.layers_of(name)),
+                    cast=lambda a, dtype=dtype: np.ascontiguousarray(a.astype(dtype, copy=False)),
+                )
+                continue
+            families[name] = ckpt.family_theta(name)
+            dtypes[name] = dtype
+    else:
+        dense = open_checkpoint(plan.model_path)
+        projection_keys = dense.projection_keys()
+        for key in dense.keys():
+            if key not in projection_keys:
+                yield key, dense.get(key)
+        stacks = {info.stack for info in dense.families.values()}
+        if len(stacks) != 1:
+            raise CheckpointError(
+                f"{plan.model_path}: projection families under several stacks {sorted(stacks)}"
+            )
+        stack = stacks.pop()
+        for name, info in dense.families.items():
+            weights = [dense.get(k, check_finite=True) for k in info.keys]
+            families[name], _ = decompose_family(
+                weights, blocks=plan.blocks, rank=plan.rank, name=name
+            )
+            dtypes[name] = info.dtype
+            del weights
+    yield from ingraph_tensors(
+        families,
+        stack=stack,
+        gemm=plan.path == "gemm",
+        fuse=plan.options.qkv_fuse,
+        dtype=dtypes,
+    )
+
+
+def _checked_nvfp4(plan: ServingPlan, ckpt: ThetaCheckpoint, name: str) -> Iterator[Any]:
+    """The stored NVFP4 ``W0`` of each band of ``name``, its scales checked (see
+    :meth:`theta_state`)."""
+    for band in range(max(ckpt.families[name]["bands"]) + 1):
+        q = ckpt.nvfp4(name, band)
+        scale = q.weight_scale.view(np.uint8)
+        scale_2 = np.asarray(q.weight_scale_2, np.float32).reshape(1)
+        if ((scale & 0x7F) == 0x7F).any():
+            raise CheckpointError(
+                f"{plan.model_path}: {nvfp4_key(name, band, 'scale')} holds NaN block "
+                "scales (bytes 0x7F/0xFF)"
+            )
+        if not (np.isfinite(scale_2).all() and scale_2[0] > 0):
+            raise CheckpointError(
+                f"{plan.model_path}: {nvfp4_key(name, band, 'scale_2')} is {scale_2[0]}, "
+                "not a finite positive scale"
+            )
+        yield q
+
+
+def quantized_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+    """:meth:`state` with every projection ``W_eff`` quantized to NVFP4 (see below).
+
+    A projection ``<prefix>.weight`` becomes ``<prefix>.weight`` (uint8 packed
+    E2M1 codes ``[out, in/2]``), ``<prefix>.weight_scale`` (the float8_e4m3fn
+    block scales as uint8 bytes ``[out, in/16]``) and ``<prefix>.weight_scale_2``
+    (float32 ``[1]``), the layout :mod:`attnquant_max._nvfp4_layers` reads.
+    Every other tensor is unchanged, but the output head with ``ATTNQUANT_QUANT_HEAD=1``
+    (:func:`with_nvfp4_head`). One projection is quantized at a time.
+
+    Raises
+    ------
+    NVFP4Error
+        A projection's input size is not a multiple of 16, or it holds NaN/Inf;
+        the message names the key.
+    """
+    from ._nvfp4 import quantize_nvfp4
+
+    for key, array in _with_head(plan, dense_state(plan)):
+        parsed = parse_projection_key(key)
+        if parsed is None or not key.endswith(".weight"):
+            yield key, array
+            continue
+        yield from _nvfp4_parts(key, quantize_nvfp4(array, name=key))
+
+
+def _with_head(
+    plan: ServingPlan, items: Iterator[tuple[str, np.ndarray]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``items``, the head quantized too where :attr:`head_nvfp4` (:func:`with_nvfp4_head`)."""
+    return with_nvfp4_head(items, model_path=plan.model_path) if plan.head_nvfp4 else items
+
+
+def dense_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+    """Every dense key of the model with its array (original names, source dtype)."""
+    if plan.source == "theta":
+        return ThetaCheckpoint.open(plan.model_path, blocks=plan.options.blocks).rebuilt_state()
+    if plan.blocks == "layers":
+        ckpt = open_checkpoint(plan.model_path)
+        return ((key, ckpt.get(key)) for key in ckpt.keys())
+    return rebuild_dense_state(open_checkpoint(plan.model_path), blocks=plan.blocks, rank=plan.rank)
