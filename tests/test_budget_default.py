@@ -38,7 +38,7 @@ def demo_budget(demo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.xdist_group("demo-verify")
+@pytest.mark.xdist_group("demo-budget")
 def test_budget_checkpoint_is_served_compressed_by_default(
     demo_budget: Path, tmp_path: Path, capsys, monkeypatch, caplog
 ) -> None:
@@ -66,6 +66,7 @@ def test_budget_checkpoint_is_served_compressed_by_default(
     )
 
 
+@pytest.mark.xdist_group("demo-budget")  # the fit is made once, on this group's worker
 def test_a_budget_fit_is_served_compressed_by_default(demo: Path, demo_budget: Path) -> None:
     """No option, no variable: ``--path auto`` serves the budget-0.5 fit in the graph holding
     its own bytes (at most 0.70x the dense weights), and says why in its start-up line; the

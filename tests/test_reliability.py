@@ -515,7 +515,7 @@ if command == "decompose":
     from attnquant_core import decompose_checkpoint
     decompose_checkpoint(demo_model_path(), out, rank=2, progress=progress)
 else:
-    from attnquant_max import export_nvfp4
+    from attnquant_core.io import export_nvfp4
     export_nvfp4(demo_model_path(), out, progress=progress)
 """
 

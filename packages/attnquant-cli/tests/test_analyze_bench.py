@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
+import types
 
 import pytest
 
@@ -188,9 +190,17 @@ class _FakeLoaded:
 
 @pytest.fixture
 def fake_max(monkeypatch):
-    """``attnquant bench`` without MAX: fake pipelines whose speed is read back as the sample."""
-    import attnquant_max
+    """``attnquant bench`` without MAX: fake pipelines whose speed is read back as the sample.
+
+    A stand-in ``attnquant_max`` module holds what bench imports, so these tests run where
+    attnquant-max (the ``serve`` extra) is not installed, as in the tests-cli session.
+    """
     from attnquant_cli import _bench
+    from attnquant_core.serving import ServingOptions
+
+    attnquant_max = types.ModuleType("attnquant_max")
+    attnquant_max.STOCK = ServingOptions(path="precompute-outside")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "attnquant_max", attnquant_max)
 
     speeds: dict[str, float] = {}
     loaded: list[_FakeLoaded] = []
@@ -210,8 +220,8 @@ def fake_max(monkeypatch):
         def describe(self) -> str:
             return "path: fake"
 
-    monkeypatch.setattr(attnquant_max, "load_pipeline", load_pipeline)
-    monkeypatch.setattr(attnquant_max, "plan_serving", lambda path, options: Plan())
+    attnquant_max.load_pipeline = load_pipeline  # type: ignore[attr-defined]
+    attnquant_max.plan_serving = lambda path, options: Plan()  # type: ignore[attr-defined]
     # The fake checkpoints hold no tensors; bench's digest check is tested in the reliability suite.
     monkeypatch.setenv("ATTNQUANT_VERIFY_DIGESTS", "0")
     monkeypatch.setattr(_bench, "measure", measure)

@@ -126,6 +126,39 @@ def test_base_layers_import_only_layers_below(layer):
     assert not bad, sorted(bad)
 
 
+def test_serving_builds_on_the_layers_not_on_calib():
+    """``serving`` (the options, the in-graph state prepared in numpy) uses forms, io and fit."""
+    allowed = {f"{PACKAGE}.{layer}" for layer in LAYERS} | {f"{PACKAGE}.serving"}
+    allowed |= {f"{PACKAGE}._errors", f"{PACKAGE}._version"}
+    bad = {
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if name.startswith(f"{PACKAGE}.serving")
+        for target in targets
+        if not any(target == a or target.startswith(a + ".") for a in allowed)
+    }
+    assert not bad, sorted(bad)
+
+
+#: What attnquant-core never imports: MAX and the packages built on it.
+FORBIDDEN = ("max", "attnquant_max", "attnquant_kernels", "attnquant_cli")
+
+
+def test_core_imports_neither_max_nor_the_other_packages():
+    """Every import of every module (lazy ones too) stays out of MAX, kernels, max and cli."""
+    found = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                modules = [node.module]
+            else:
+                continue
+            found |= {f"{name}: {m}" for m in modules if m.partition(".")[0] in FORBIDDEN}
+    assert not found, sorted(found)
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 def test_modules_are_of_a_readable_size(layer):
     long = {

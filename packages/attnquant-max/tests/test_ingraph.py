@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from attnquant_core.serving import FUSED_GROUPS
 from attnquant_max import (
     LoadedModel,
     ServingOptions,
@@ -35,7 +36,6 @@ from attnquant_max import (
     greedy_generate,
     logit_parity,
 )
-from attnquant_max._layout import FUSED_GROUPS
 from attnquant_max.testing import VOCAB
 
 from .conftest import HIDDEN, LAYERS, load_tiny
@@ -143,7 +143,7 @@ def test_budget_checkpoint_on_the_gemm_path_holds_its_stored_bytes(tiny_budget: 
     builds on the GEMM path holding the checkpoint's tensors (dense weights only for layers
     whose factors are not smaller), each basis once, with the matmuls its forms need."""
     from attnquant_core import FAMILIES
-    from attnquant_max import InGraphLayout
+    from attnquant_core.serving import InGraphLayout
     from attnquant_max.testing import gemm_weight_bytes
 
     # Precompute-outside: the stock graph, already in the cache; decoder_graph re-plans it.
@@ -224,7 +224,7 @@ def test_budget_checkpoint_on_the_custom_op_runs_one_dispatch_per_projection(
     shared-basis layer one ``generated_lowrank`` (no matmul but the head and the layers served
     dense), each basis held once, the checkpoint's bytes held."""
     from attnquant_core import ThetaCheckpoint
-    from attnquant_max._served import served_layers
+    from attnquant_core.serving import served_layers
     from attnquant_max.testing import gemm_weight_bytes
 
     ckpt = ThetaCheckpoint.open(tiny_budget)

@@ -25,12 +25,10 @@ import pytest
 
 from attnquant_core import (
     FamilyTheta,
-    LayerTheta,
-    LowRankFamily,
-    SharedBasisFamily,
     decompose_family,
 )
-from attnquant_max._layout import InGraphLayout, gemm_band_key, ingraph_tensors
+from attnquant_core.serving import InGraphLayout, gemm_band_key, ingraph_tensors
+from attnquant_core.testing import MIXED_SHAPES, mixed_families
 
 pytestmark = pytest.mark.xdist_group("layers")  # one worker builds the one layer graph
 
@@ -48,62 +46,9 @@ SHAPES = {
 }
 QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
 VARIANTS = {"fused": (True, True), "unfused": (True, False), "precompute": (False, True)}
+assert SHAPES == MIXED_SHAPES  # the forms branch runs attnquant_core.testing.mixed_families
 #: The forms branch (GEMM, float32): fuse, and the layers in the graph.
 FORM_VARIANTS = {"forms_fused": (True, (0, 1, 2)), "forms_unfused": (False, (1,))}
-
-
-def mixed_families(seed: int = 11) -> dict[str, Any]:
-    """Every form the GEMM path serves, on the layer graph's shapes (fixed seed).
-
-    q: low rank, ranks 3, 5, 2; k: low rank, ranks 2, 12 (served dense: ``12 (16 + 32) >= 16 *
-    32``), 0 (zero); v: shared basis on the output side, one band; so q/k/v stack their first
-    matmul in layers 0 and 1 (fused) and run alone in layer 2. o: shared basis on the input
-    side, bands of widths 4 and 0 (served as 1 zero column). gate/up: banded, ``G = 2``, with
-    per-layer ranks (gate 2, 4, 0; up 3, 1, 2), fused into one band weight; down: banded ``G = 1``.
-    """
-    rng = np.random.default_rng(seed)
-
-    def a(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, shape[0] ** -0.5, shape).astype(np.float32)
-
-    def lowrank(name: str, ranks: tuple[int, ...]) -> LowRankFamily:
-        o, i = SHAPES[name]
-        return LowRankFamily(name=name, U=[a(o, r) for r in ranks], V=[a(i, r) for r in ranks])
-
-    def basis(name: str, side: str, widths: tuple[int, ...], bands: tuple[int, ...]) -> Any:
-        o, i = SHAPES[name]
-        dim, coef = (i, o) if side == "in" else (o, i)
-        return SharedBasisFamily(
-            name=name,
-            side=side,  # type: ignore[arg-type]
-            bases=[a(dim, k) for k in widths],
-            bands=bands,
-            coefs=[a(coef, widths[b]) for b in bands],
-        )
-
-    def banded(name: str, ranks: tuple[int, ...], bands: tuple[int, ...]) -> FamilyTheta:
-        o, i = SHAPES[name]
-        return FamilyTheta(
-            name=name,
-            shared=[a(o, i) for _ in range(max(bands) + 1)],
-            bands=bands,
-            layers=[
-                LayerTheta(
-                    s=(1 + 0.1 * rng.normal(size=o)).astype(np.float32), U=a(o, r), V=a(i, r)
-                )
-                for r in ranks
-            ],
-        )
-
-    return {
-        "self_attn.q_proj": lowrank("self_attn.q_proj", (3, 5, 2)),
-        "self_attn.k_proj": lowrank("self_attn.k_proj", (2, 12, 0)),
-        "self_attn.v_proj": basis("self_attn.v_proj", "out", (3,), (0, 0, 0)),
-        "self_attn.o_proj": basis("self_attn.o_proj", "in", (4, 0), (0, 0, 1)),
-        "mlp.gate_proj": banded("mlp.gate_proj", (2, 4, 0), (0, 0, 1)),
-        "mlp.up_proj": banded("mlp.up_proj", (3, 1, 2), (0, 0, 1)),
-        "mlp.down_proj": banded("mlp.down_proj", (4, 4, 4), (0, 0, 0)),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +229,7 @@ NVFP4_SHAPES = {"a": (48, HIDDEN), "b": (16, HIDDEN), "c": (HIDDEN, FFL)}
 
 def _nvfp4_weights() -> dict[str, Any]:
     """The NVFP4 branch's quantized weights; ``a`` starts with an all-zero block."""
-    from attnquant_max._nvfp4 import quantize_nvfp4
+    from attnquant_core.forms import quantize_nvfp4
 
     rng = np.random.default_rng(3)
     quantized = {}
@@ -342,7 +287,7 @@ def _nvfp4_theta_branch(
     from max.dtype import DType
     from max.graph import DeviceRef
 
-    from attnquant_max import dequantize_nvfp4, quantize_nvfp4
+    from attnquant_core.forms import dequantize_nvfp4, quantize_nvfp4
     from attnquant_max._adapter import weight_data_from_numpy
     from attnquant_max._layers import ThetaSharedBlocks
     from attnquant_max._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear
@@ -652,7 +597,7 @@ def test_every_form_matches_the_numpy_identity(outputs: dict[str, dict[str, Any]
 @pytest.mark.slow
 def test_nvfp4_linears_match_the_reference(outputs: dict[str, dict[str, Any]]) -> None:
     """A stacked NVFP4 pair and a lone NVFP4Linear against ``x @ dequantize(q).T`` (numpy)."""
-    from attnquant_max._nvfp4 import dequantize_nvfp4
+    from attnquant_core.forms import dequantize_nvfp4
 
     result = outputs["nvfp4"]
     q = result["quantized"]

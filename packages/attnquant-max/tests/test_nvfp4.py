@@ -10,17 +10,22 @@ import numpy as np
 import pytest
 
 import attnquant_core.forms as core_nvfp4
+import attnquant_core.io as core_io
+import attnquant_core.serving as core_serving
 import attnquant_max
-from attnquant_max import _nvfp4
-from attnquant_max._nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from attnquant_core.forms import dequantize_nvfp4, quantize_nvfp4
 
 
 def test_max_re_exports_core_objects():
-    """``attnquant_max`` and its ``_nvfp4`` hand out the very objects core defines."""
-    for name in _nvfp4.__all__:
-        assert getattr(_nvfp4, name) is getattr(core_nvfp4, name), name
-    for name in ("NVFP4Error", "NVFP4Tensor", "quantize_nvfp4", "dequantize_nvfp4"):
+    """``attnquant_max`` hands out the very objects core defines (its public API kept)."""
+    nvfp4 = ("BLOCK_SIZE", "E2M1_VALUES", "E4M3_VALUES", "NVFP4Error", "NVFP4Tensor")
+    nvfp4 += ("dequantize_nvfp4", "nvfp4_error_bound", "quantize_nvfp4")
+    for name in nvfp4:
         assert getattr(attnquant_max, name) is getattr(core_nvfp4, name), name
+    for name in ("ExportProgress", "export_nvfp4"):
+        assert getattr(attnquant_max, name) is getattr(core_io, name), name
+    for name in ("InGraphLayout", "ingraph_tensors", "ServingOptions"):
+        assert getattr(attnquant_max, name) is getattr(core_serving, name), name
 
 
 # -- agreement with MAX's own host encoder -----------------------------------------------------

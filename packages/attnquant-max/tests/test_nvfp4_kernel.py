@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from attnquant_core.forms import dequantize_nvfp4, quantize_nvfp4
 from attnquant_kernels.testing import nvfp4_dequantize, nvfp4_random
-from attnquant_max import dequantize_nvfp4, quantize_nvfp4
 from attnquant_max.testing import VOCAB
 
 from .conftest import HIDDEN, LAYERS, PROJECTIONS
@@ -34,7 +34,7 @@ def test_kernel_reference_dequantizes_like_attnquant_max(out_dim: int, in_dim: i
 def test_random_packed_weights_are_a_valid_nvfp4_tensor():
     import ml_dtypes
 
-    from attnquant_max import NVFP4Tensor
+    from attnquant_core.forms import NVFP4Tensor
 
     weight, scale, scale_2 = nvfp4_random(np.random.default_rng(0), 5, 32)
     q = NVFP4Tensor(

@@ -15,6 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from attnquant_core.forms import (
+    BLOCK_SIZE,
+    NVFP4Error,
+    dequantize_nvfp4,
+    quantize_nvfp4,
+)
 from attnquant_max import (
     LoadedModel,
     ServingOptions,
@@ -23,12 +29,6 @@ from attnquant_max import (
     plan_serving,
 )
 from attnquant_max._describe import NVFP4_HEAD
-from attnquant_max._nvfp4 import (
-    BLOCK_SIZE,
-    NVFP4Error,
-    dequantize_nvfp4,
-    quantize_nvfp4,
-)
 from attnquant_max._nvfp4_layers import E2M1_PAIR_TABLE
 
 from .conftest import LAYERS, PROJECTIONS, load_tiny, tiny_llama_tensors, write_tiny_llama
@@ -54,7 +54,7 @@ def _dequantized_tensors() -> dict[str, np.ndarray]:
 
 
 def test_pair_table_decodes_both_nibbles() -> None:
-    from attnquant_max._nvfp4 import E2M1_VALUES, unpack_nibbles
+    from attnquant_core.forms import E2M1_VALUES, unpack_nibbles
 
     packed = np.arange(256, dtype=np.uint8).reshape(16, 16)
     codes = unpack_nibbles(packed)  # [16, 32], even element from the low nibble

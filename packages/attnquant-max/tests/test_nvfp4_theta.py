@@ -44,9 +44,9 @@ from attnquant_core import (
     save_theta,
 )
 from attnquant_core.forms import FamilyTheta
+from attnquant_core.serving import InGraphLayout
 from attnquant_kernels.layout import cpu_prefers_tiled
 from attnquant_max import LoadedModel, ServingOptions, count_matmuls, decoder_graph, plan_serving
-from attnquant_max._layout import InGraphLayout
 from attnquant_max.testing import VOCAB
 
 from .conftest import HIDDEN, LAYERS, PROJECTIONS, load_tiny

@@ -279,7 +279,7 @@ def test_budget_checkpoint_feeds_every_form_on_the_custom_op(tiny_budget: Path) 
     ``generated_linear``, the others as their factors for ``generated_lowrank`` (never
     stacked), holding the same bytes as the GEMM path (the checkpoint's)."""
     from attnquant_core import ThetaCheckpoint
-    from attnquant_max._served import served_layers
+    from attnquant_core.serving import served_layers
 
     ckpt = ThetaCheckpoint.open(tiny_budget)
     if all(f == "banded" for f in ckpt.forms.values()):
@@ -303,7 +303,7 @@ def test_budget_checkpoint_feeds_every_form_on_the_gemm_path(tiny_budget: Path) 
     """The GEMM plan of a budget checkpoint: its tensors are the checkpoint's, plus the dense
     weights of layers whose factors are not smaller, and read back as the same forms."""
     from attnquant_core import ThetaCheckpoint
-    from attnquant_max._served import served_layers
+    from attnquant_core.serving import served_layers
 
     ckpt = ThetaCheckpoint.open(tiny_budget)
     plan = plan_serving(tiny_budget, ServingOptions(path="gemm"))
@@ -339,7 +339,7 @@ def test_auto_selection_on_the_cpu_takes_the_custom_op_for_forms_without_w0(
 
 def test_in_graph_tensors_pad_per_layer_ranks_exactly() -> None:
     from attnquant_core import FamilyTheta, LayerTheta
-    from attnquant_max._layout import InGraphLayout, ingraph_tensors
+    from attnquant_core.serving import InGraphLayout, ingraph_tensors
 
     rng = np.random.default_rng(0)
     shapes = {"self_attn.q_proj": (8, 16), "self_attn.k_proj": (4, 16)}

@@ -3,7 +3,8 @@
 Each command lives in its own module (:mod:`attnquant_cli.commands`, and ``_check``,
 ``_calibrate`` and ``_eval``); this module makes the typer ``app``, registers them and turns
 errors into exit codes. MAX is imported lazily, inside the commands that need it, so
-``attnquant --help`` and the numpy-only commands start instantly.
+``attnquant --help`` and the numpy-only commands start instantly, and run without
+attnquant-max installed: it is the ``serve`` extra (:mod:`attnquant_cli._extra`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 import typer
+from rich.markup import escape
 
 from attnquant_core import AttnquantError
 
@@ -75,7 +77,8 @@ def cli(args: Sequence[str] | None = None) -> int:
         FileExistsError,
         FileNotFoundError,
     ) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        # escaped: a message may hold brackets (`[serve]`) that rich would read as markup
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     return result if isinstance(result, int) else 0
 

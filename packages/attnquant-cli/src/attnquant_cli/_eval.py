@@ -32,6 +32,7 @@ from attnquant_core.serving import ServingOptions
 
 from ._calibrate import DataOption, data_windows, default_data, layer_progress, resolve_model
 from ._console import Output
+from ._extra import SERVE_EXTRA, ServeExtraError, require_max
 from .commands._serving import serving_flags
 
 __all__ = ["choose_forward", "eval_table", "evaluate_command"]
@@ -73,8 +74,13 @@ def choose_forward(
             raise ValueError("--forward max with --float64: MAX computes in float32; use numpy")
         return "numpy", "--float64: MAX computes in float32"
     try:
+        require_max("eval --forward max")
         from attnquant_max import max_unavailable
-    except ImportError as exc:  # attnquant-max without MAX, or not installed
+    except ServeExtraError:  # the serve extra is not installed
+        if forward == "max":
+            raise
+        reasons = [f"attnquant-max is not installed ({SERVE_EXTRA})"]
+    except ImportError as exc:  # attnquant-max installed but broken
         reasons = [f"attnquant-max cannot be imported ({exc})"]
     else:
         reasons = [r for r in (max_unavailable(p, devices) for p in paths) if r is not None]
@@ -133,6 +139,8 @@ def evaluate_command(
     names = [base, *(checkpoints or [])]
     texts = default_data(base_path, is_demo, data, "heldout")
     chosen, why = choose_forward(forward, paths, devices=devices, float64=float64)
+    if forward == "auto" and chosen == "numpy":  # say why MAX was not used (no markup: [serve])
+        console.print(f"eval: numpy forward, {why}", highlight=False, markup=False, soft_wrap=True)
     started = time.perf_counter()
     sources = [open_source(p) for p in paths]
     max_len = int(sources[0].config.get("max_position_embeddings") or seq_len)

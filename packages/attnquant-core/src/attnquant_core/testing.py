@@ -1,22 +1,25 @@
 """Helpers for tests of attnquant and of code built on it: small synthetic checkpoints.
 
 Not imported by the library itself; numpy and safetensors (and ``tokenizers`` for
-:func:`write_byte_tokenizer`) only.
+:func:`write_byte_tokenizer`) only. :func:`mixed_families` builds theta families in every form.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors.numpy
 
 __all__ = [
+    "MIXED_SHAPES",
     "SHAPES",
     "SHAPES16",
     "llama_config",
     "make_weights",
+    "mixed_families",
     "write_byte_tokenizer",
     "write_checkpoint",
 ]
@@ -190,3 +193,72 @@ def write_byte_tokenizer(directory: Path, specials: list[str], **tokenizer_confi
     tokenizer.save(str(Path(directory) / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+#: The projections of :func:`mixed_families` (hidden 32, q 48, k/v 16, MLP 64), three layers.
+MIXED_SHAPES = {
+    "self_attn.q_proj": (48, 32),
+    "self_attn.k_proj": (16, 32),
+    "self_attn.v_proj": (16, 32),
+    "self_attn.o_proj": (32, 48),
+    "mlp.gate_proj": (64, 32),
+    "mlp.up_proj": (64, 32),
+    "mlp.down_proj": (32, 64),
+}
+
+
+def mixed_families(seed: int = 11) -> dict[str, Any]:
+    """Every form the GEMM path serves, on :data:`MIXED_SHAPES` over three layers (fixed seed).
+
+    q: low rank, ranks 3, 5, 2; k: low rank, ranks 2, 12 (served dense: ``12 (16 + 32) >= 16 *
+    32``), 0 (zero); v: shared basis on the output side, one band; so q/k/v stack their first
+    matmul in layers 0 and 1 (fused) and run alone in layer 2. o: shared basis on the input
+    side, bands of widths 4 and 0 (served as 1 zero column). gate/up: banded, ``G = 2``, with
+    per-layer ranks (gate 2, 4, 0; up 3, 1, 2), fused into one band weight; down: banded ``G = 1``.
+    attnquant-max's layer graph runs them; attnquant-core's tests check their in-graph tensors.
+    """
+    from .forms import FamilyTheta, LayerTheta, LowRankFamily, SharedBasisFamily
+
+    rng = np.random.default_rng(seed)
+
+    def a(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, shape[0] ** -0.5, shape).astype(np.float32)
+
+    def lowrank(name: str, ranks: tuple[int, ...]) -> LowRankFamily:
+        o, i = MIXED_SHAPES[name]
+        return LowRankFamily(name=name, U=[a(o, r) for r in ranks], V=[a(i, r) for r in ranks])
+
+    def basis(name: str, side: str, widths: tuple[int, ...], bands: tuple[int, ...]) -> Any:
+        o, i = MIXED_SHAPES[name]
+        dim, coef = (i, o) if side == "in" else (o, i)
+        return SharedBasisFamily(
+            name=name,
+            side=side,  # type: ignore[arg-type]
+            bases=[a(dim, k) for k in widths],
+            bands=bands,
+            coefs=[a(coef, widths[b]) for b in bands],
+        )
+
+    def banded(name: str, ranks: tuple[int, ...], bands: tuple[int, ...]) -> FamilyTheta:
+        o, i = MIXED_SHAPES[name]
+        return FamilyTheta(
+            name=name,
+            shared=[a(o, i) for _ in range(max(bands) + 1)],
+            bands=bands,
+            layers=[
+                LayerTheta(
+                    s=(1 + 0.1 * rng.normal(size=o)).astype(np.float32), U=a(o, r), V=a(i, r)
+                )
+                for r in ranks
+            ],
+        )
+
+    return {
+        "self_attn.q_proj": lowrank("self_attn.q_proj", (3, 5, 2)),
+        "self_attn.k_proj": lowrank("self_attn.k_proj", (2, 12, 0)),
+        "self_attn.v_proj": basis("self_attn.v_proj", "out", (3,), (0, 0, 0)),
+        "self_attn.o_proj": basis("self_attn.o_proj", "in", (4, 0), (0, 0, 1)),
+        "mlp.gate_proj": banded("mlp.gate_proj", (2, 4, 0), (0, 0, 1)),
+        "mlp.up_proj": banded("mlp.up_proj", (3, 1, 2), (0, 0, 1)),
+        "mlp.down_proj": banded("mlp.down_proj", (4, 4, 4), (0, 0, 0)),
+    }

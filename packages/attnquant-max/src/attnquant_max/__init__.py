@@ -21,7 +21,27 @@ when called.
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from attnquant_core.serving import OPTIONS, ConfigError, OptionSpec, ServingOptions, options_table
+# Re-exported from attnquant-core, where they live (numpy only): the public API stays.
+from attnquant_core.forms import (
+    BLOCK_SIZE,
+    E2M1_VALUES,
+    E4M3_VALUES,
+    NVFP4Error,
+    NVFP4Tensor,
+    dequantize_nvfp4,
+    nvfp4_error_bound,
+    quantize_nvfp4,
+)
+from attnquant_core.io import ExportProgress, export_nvfp4
+from attnquant_core.serving import (
+    OPTIONS,
+    ConfigError,
+    InGraphLayout,
+    OptionSpec,
+    ServingOptions,
+    ingraph_tensors,
+    options_table,
+)
 
 from ._adapter import PlannedState, ThetaWeightAdapter, wrap_weight_adapter
 from ._config import (
@@ -40,7 +60,6 @@ from ._eval import (
     planned_length,
     window_logprobs,
 )
-from ._export import ExportProgress, export_nvfp4
 from ._generate import (
     AGREEMENT_THRESHOLD,
     DELTA_THRESHOLD,
@@ -55,17 +74,6 @@ from ._generate import (
     logit_parity,
 )
 from ._keys import WeightKeyError, check_state_keys
-from ._layout import InGraphLayout, ingraph_tensors
-from ._nvfp4 import (
-    BLOCK_SIZE,
-    E2M1_VALUES,
-    E4M3_VALUES,
-    NVFP4Error,
-    NVFP4Tensor,
-    dequantize_nvfp4,
-    nvfp4_error_bound,
-    quantize_nvfp4,
-)
 from ._plan import ServingPlan, log_serving_path, plan_serving
 from ._serve import architectures_path, max_entrypoint, serve_command, serve_env
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from attnquant_core import FAMILIES, CheckpointError, is_theta_checkpoint
-from attnquant_core.serving import ServingOptions
+from attnquant_core.serving import InGraphLayout, ServingOptions
 
 from ._keys import (
     WeightKeyError,
@@ -34,7 +34,6 @@ from ._keys import (
     is_attnquant_key,
     listed,
 )
-from ._layout import InGraphLayout
 from ._plan import ServingPlan, log_serving_path, plan_serving
 from ._refusals import REBUILD_AT_LOAD
 
@@ -173,30 +172,34 @@ def rebuilt_weights(
             )
     plan = plan_serving(path, ServingOptions.from_env() if options is None else options)
     log_serving_path(plan)
-    if plan.nvfp4_w0:
+    served_in_graph = {  # what only an in-graph architecture (Llama's) builds
+        "nvfp4": ("a checkpoint whose W0 is NVFP4", plan.theta_state, " and no --quant"),
+        "quantized": (
+            f"--quant {plan.options.quant} (ATTNQUANT_QUANT)",
+            plan.quantized_state,
+            ", or write an NVFP4 checkpoint with `attnquant export --format nvfp4` for a server "
+            "that reads Model Optimizer's layout",
+        ),
+        "in_graph": (f"the {plan.path} path (in-graph theta)", plan.theta_state, ""),
+    }
+    kind = next(
+        (
+            k
+            for k, on in zip(
+                served_in_graph, (plan.nvfp4_w0, plan.quantized, plan.in_graph), strict=True
+            )
+            if on
+        ),
+        None,
+    )
+    if kind is not None:
+        what, state, more = served_in_graph[kind]
         if not in_graph:
             raise NotImplementedError(
-                f"{name or 'this architecture'}: a checkpoint whose W0 is NVFP4 is served in the "
-                f"graph for LlamaForCausalLM only; serve it with {REBUILD_AT_LOAD} and no "
-                "--quant"
+                f"{name or 'this architecture'}: {what} is served for LlamaForCausalLM only; "
+                f"serve it with {REBUILD_AT_LOAD}{more}"
             )
-        return {key: ArrayWeights(key, array) for key, array in plan.theta_state()}, plan
-    if plan.quantized:
-        if not in_graph:
-            raise NotImplementedError(
-                f"{name or 'this architecture'}: --quant {plan.options.quant} serving is "
-                "implemented for LlamaForCausalLM only; drop --quant (ATTNQUANT_QUANT), or write an "
-                "NVFP4 checkpoint with `attnquant export --format nvfp4` for a server that "
-                "reads Model Optimizer's layout"
-            )
-        return {key: ArrayWeights(key, array) for key, array in plan.quantized_state()}, plan
-    if plan.in_graph:
-        if not in_graph:
-            raise NotImplementedError(
-                f"{name or 'this architecture'}: the {plan.path} path (in-graph theta) is "
-                f"implemented for LlamaForCausalLM only. Serve it with {REBUILD_AT_LOAD}."
-            )
-        return {key: ArrayWeights(key, array) for key, array in plan.theta_state()}, plan
+        return {key: ArrayWeights(key, array) for key, array in state()}, plan
     if not plan.rebuilds:
         return dict(state_dict), plan
     weights = {key: ArrayWeights(key, array) for key, array in plan.state()}

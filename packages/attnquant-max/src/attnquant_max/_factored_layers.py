@@ -1,6 +1,6 @@
 """The forms without ``W0`` as MAX graph layers: low rank, shared basis, dense, zero.
 
-How a layer of a family is served is :class:`attnquant_max._served.Served`; this module computes
+How a layer of a family is served is :class:`attnquant_core.serving.Served`; this module computes
 it, each projection in at most two matmuls over the tensors the theta checkpoint stores:
 
 =============  ==========================  ===================
@@ -32,8 +32,9 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
 
+from attnquant_core.serving import FACTORED_KINDS
+
 from ._nvfp4_layers import on_rows
-from ._served import FACTORED_KINDS
 
 __all__ = ["FactoredLinear", "ThetaStackedInput"]
 

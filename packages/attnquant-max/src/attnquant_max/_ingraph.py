@@ -39,12 +39,11 @@ from max.pipelines.architectures.llama3.model_config import Llama3Config
 from max.pipelines.lib.graph_specs import GraphRole, GraphSpec
 
 from attnquant_core import FAMILIES
-from attnquant_core.serving import ServingOptions
+from attnquant_core.serving import InGraphLayout, ServingOptions
 from attnquant_kernels import kernels_path
 from attnquant_kernels.layout import tile_nvfp4
 
 from ._layers import ThetaBuilder, ThetaMLP
-from ._layout import InGraphLayout
 from ._nvfp4_layers import (
     NVFP4Linear,
     NVFP4MergedLinear,
@@ -104,7 +103,7 @@ class ThetaLlama3(Llama3):
 
     Weight names: the stock ones for everything but the projections;
     ``layers.<i>.<family>.theta_{s,U,V}`` and the band weights of
-    :mod:`attnquant_max._layout` for those. A family banded with an NVFP4 ``W0`` (GEMM path)
+    :mod:`attnquant_core.serving._layout` for those. A family banded with an NVFP4 ``W0`` (GEMM path)
     keeps the checkpoint's names, ``attnquant.shared.<family>.<band>.W0_packed``, ``W0_scale``,
     ``W0_scale_2`` held once per band, and runs as ``options.nvfp4_kernel`` says (fused
     ``generated_linear_nvfp4`` or dequantized in the graph; ``auto`` timed once at start-up).
@@ -370,6 +369,11 @@ class ThetaLlama3Model(Llama3Model):
             model = ThetaLlama3(model_config, layout, head=head, options=plan.options)
             specs = {GraphRole.DECODER: self._spec(model_config, model)}
         self.weight_bytes = _nbytes(specs[GraphRole.DECODER].weights_registry())
+        logger.info(
+            "attnquant: the decoder holds %.2f MiB of weights (%d bytes)",
+            self.weight_bytes / 2**20,
+            self.weight_bytes,
+        )
         return specs
 
     def _prepare_state(self, model_config: Llama3Config, model: Llama3) -> None:

@@ -3,7 +3,7 @@
 Two formulations of ``y = s * (x W0^T) + (x V) U^T`` (docs/architecture.md, docs/serving-paths.md):
 
 * **GEMM** (``precompute=False``): the band weight ``W0V`` (see
-  :mod:`attnquant_max._layout`) holds ``W0`` and the band's ``V^T`` rows, so
+  :mod:`attnquant_core.serving._layout`) holds ``W0`` and the band's ``V^T`` rows, so
   ``h = x @ W0V^T`` is one matmul giving ``x W0^T`` and this layer's ``x V``;
   a second matmul applies ``U^T``: two matmuls per projection. A group (q/k/v,
   gate/up) runs as one: one matmul over the stacked ``W0`` blocks and
@@ -50,9 +50,9 @@ from max.graph import DeviceRef, Weight
 
 from attnquant_core import band_of_layers, basis_key, shared_key
 from attnquant_core.io import NVFP4_PARTS, nvfp4_key
+from attnquant_core.serving import FUSED_GROUPS, InGraphLayout, gemm_band_key
 
 from ._factored_layers import FactoredLinear, ThetaStackedInput
-from ._layout import FUSED_GROUPS, InGraphLayout, gemm_band_key
 from ._nvfp4_layers import NVFP4Linear, NVFP4StackedLinear, packed_specs
 from ._theta_modules import ThetaLinear, ThetaMLP, ThetaSharedBlocks, ThetaStackedLinear
 
@@ -66,7 +66,7 @@ __all__ = [
 
 
 class ThetaBuilder:
-    """Makes the theta modules of each layer for an :class:`~attnquant_max._layout.InGraphLayout`.
+    """Makes the theta modules of each layer for an :class:`~attnquant_core.serving.InGraphLayout`.
 
     Every band weight is created once, in :attr:`bank`; attach ``bank`` to the
     model (any attribute name: it is left out of the weight names).
@@ -167,7 +167,7 @@ class ThetaBuilder:
         )
 
     def _kind(self, family: str, layer: int) -> str | None:
-        """How ``layer`` of ``family`` is served (:mod:`attnquant_max._served`); ``None`` for
+        """How ``layer`` of ``family`` is served (:mod:`attnquant_core.serving._served`); ``None`` for
         a banded family off the GEMM path."""
         how = self.layout.served.get(family)
         return how[layer].kind if how else None

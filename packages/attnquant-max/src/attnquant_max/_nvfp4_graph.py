@@ -15,10 +15,9 @@ import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, StaticDim, TensorType, TensorValue, Weight, ops
 
+from attnquant_core.forms import BLOCK_SIZE, E2M1_VALUES, E4M3_VALUES, check_nvfp4_shape
 from attnquant_kernels.graph import generated_linear_nvfp4
 from attnquant_kernels.layout import cpu_prefers_tiled, tile_nvfp4
-
-from ._nvfp4 import BLOCK_SIZE, E2M1_VALUES, E4M3_VALUES, check_nvfp4_shape
 
 __all__ = [
     "DENSE_FROM_ROWS",

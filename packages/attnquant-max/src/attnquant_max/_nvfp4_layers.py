@@ -2,7 +2,7 @@
 
 Where the device has no FP4 matmul (the CPU, H100/H200), ``ATTNQUANT_QUANT=nvfp4`` serves each
 projection from three tensors, the names and contents of Model Optimizer's layout
-(:mod:`attnquant_max._nvfp4`):
+(:mod:`attnquant_core.forms`):
 
 ``<prefix>.weight``          uint8   ``[out, in/2]``   two E2M1 codes per byte, even input low
 ``<prefix>.weight_scale``    uint8   ``[out, in/16]``  the float8_e4m3fn bytes of the block scales
@@ -10,7 +10,7 @@ projection from three tensors, the names and contents of Model Optimizer's layou
 
 The scales travel as raw bytes because float8 tensors do not compile on MAX's CPU target. On
 every forward the graph rebuilds ``W`` with two gathers and one multiply, exactly as
-:func:`attnquant_max._nvfp4.dequantize_nvfp4` does in numpy:
+:func:`attnquant_core.forms.dequantize_nvfp4` does in numpy:
 
 * ``ops.gather`` of a ``[256, 2]`` table by byte: both E2M1 values of a byte at once, low nibble
   first, so no integer shifts or masks are needed;
@@ -71,10 +71,10 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 from max.nn import Module
 
+from attnquant_core.forms import check_nvfp4_shape
 from attnquant_kernels import MAX_RANK
 from attnquant_kernels.graph import generated_linear_nvfp4, nvfp4_dequantize
 
-from ._nvfp4 import check_nvfp4_shape
 from ._nvfp4_graph import (
     DENSE_FROM_ROWS,
     E2M1_PAIR_TABLE,

@@ -20,9 +20,8 @@ from typing import Any, Literal
 import numpy as np
 
 from attnquant_core import MANIFEST_FILE, ThetaCheckpoint, is_theta_checkpoint, open_checkpoint
-from attnquant_core.serving import ServingOptions
+from attnquant_core.serving import ServingOptions, dense_state, quantized_state, theta_state
 
-from . import _state
 from ._config import (
     CUSTOM_OP_MAX_RANK,
     ServingPath,
@@ -130,16 +129,16 @@ class ServingPlan:
         return describe_plan(self)
 
     def theta_state(self) -> Iterator[tuple[str, np.ndarray]]:
-        """In-graph paths: every tensor the theta model reads (:func:`_state.theta_state`)."""
-        return _state.theta_state(self)
+        """In-graph paths: every tensor the theta model reads (:func:`attnquant_core.serving.theta_state`)."""
+        return theta_state(self)
 
     def quantized_state(self) -> Iterator[tuple[str, np.ndarray]]:
-        """:meth:`state` with every projection quantized to NVFP4 (:func:`_state.quantized_state`)."""
-        return _state.quantized_state(self)
+        """:meth:`state` with every projection quantized to NVFP4 (:func:`attnquant_core.serving.quantized_state`)."""
+        return quantized_state(self)
 
     def state(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every dense key of the model with its array (original names, source dtype)."""
-        return _state.dense_state(self)
+        return dense_state(self)
 
 
 def plan_serving(model_path: str | Path, options: ServingOptions | None = None) -> ServingPlan:

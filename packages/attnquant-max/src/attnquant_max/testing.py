@@ -194,13 +194,12 @@ def write_tiny_bundle(dense: Path, out: Path, *, rank: int = TINY_RANK, seed: in
 
 def gemm_weight_bytes(theta: Path) -> int:
     """The bytes a theta checkpoint's model holds on the GEMM path: every tensor the checkpoint
-    stores, except that a layer served dense (:func:`attnquant_max._served.served_layers`: its
+    stores, except that a layer served dense (:func:`attnquant_core.serving.served_layers`: its
     factors are not smaller) holds its dense weight instead of its factors. A shared-basis band
     of width 0 (held as one zero column) is not counted; the checkpoints of the tests have none.
     """
     from attnquant_core import ThetaCheckpoint
-
-    from ._served import served_layers
+    from attnquant_core.serving import served_layers
 
     ckpt = ThetaCheckpoint.open(theta)
     total = sum(

@@ -9,6 +9,7 @@ import typer
 
 from attnquant_core.serving import ServingOptions
 
+from .._extra import require_max
 from ._serving import serving_flags
 from ._shared import Devices, MaxBatch, MaxLength, console, model_path, out
 
@@ -63,6 +64,7 @@ def bench(
     """
     if order not in ("abba", "random"):
         raise typer.BadParameter(f"--order {order!r}: use 'abba' or 'random'")
+    require_max("bench")
     import json
 
     from attnquant_core import machine_load, read_load, require_intact

@@ -1,4 +1,5 @@
-"""``attnquant export``: the rebuilt weights of a checkpoint in Model Optimizer's NVFP4 layout."""
+"""``attnquant export``: the rebuilt weights of a checkpoint in Model Optimizer's NVFP4 layout
+(attnquant-core, numpy: no MAX needed)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from attnquant_core.io import ExportProgress, export_nvfp4
 
 from ._shared import JsonFlag, checkpoint_path, console, out, print_json
 
@@ -24,8 +27,6 @@ def export(
     json_summary: JsonFlag = False,
 ) -> None:
     """Export the rebuilt weights of CKPT in Model Optimizer's NVFP4 layout."""
-    from attnquant_max import ExportProgress, export_nvfp4
-
     if format != "nvfp4":
         raise typer.BadParameter(f"--format {format!r}: only 'nvfp4' is supported")
     src = checkpoint_path(ckpt)

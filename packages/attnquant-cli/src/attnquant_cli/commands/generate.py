@@ -8,6 +8,7 @@ import typer
 
 from attnquant_core.serving import ServingOptions
 
+from .._extra import require_max
 from ._serving import serving_flags
 from ._shared import Devices, MaxBatch, MaxLength, ModelArg, console, model_path, out
 
@@ -25,6 +26,7 @@ def generate(
     options: ServingOptions = ServingOptions(),
 ) -> int:
     """Complete PROMPT greedily with MODEL (raw completion, no chat template)."""
+    require_max("generate")
     from attnquant_core import require_intact
     from attnquant_max import greedy_generate, load_pipeline, plan_serving
 

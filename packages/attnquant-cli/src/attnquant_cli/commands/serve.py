@@ -9,6 +9,7 @@ import typer
 
 from attnquant_core.serving import ServingOptions
 
+from .._extra import require_max
 from ._serving import serving_flags
 from ._shared import Devices, MaxBatch, MaxLength, ModelArg, console, model_path
 
@@ -41,6 +42,7 @@ def serve(
     options: ServingOptions = ServingOptions(),
 ) -> int:
     """Serve MODEL behind an OpenAI-compatible endpoint through MAX (Ctrl-C stops it)."""
+    require_max("serve")
     from attnquant_core import require_intact
     from attnquant_max import plan_serving, serve_command, serve_env
     from attnquant_max._serve import check_port_free

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from attnquant_core.serving import ServingOptions
 
+from .._extra import require_max
 from .._prompts import VERIFY_PROMPTS
 from ._serving import serving_flags
 from ._shared import Devices, MaxBatch, MaxLength, model_path, out
@@ -37,6 +38,7 @@ def verify(
 
     BASE is served on the stock graph; THETA as the serving options say.
     """
+    require_max("verify")
     from attnquant_core import require_intact
     from attnquant_max import AGREEMENT_THRESHOLD, DELTA_THRESHOLD, NEAR_TIE, logit_parity
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._errors import DecompositionError
 from ..forms._banded import QUANTS
+from ..forms._bands import parse_blocks
 from ._allocate import check_budget
 from ._gptq import ROUNDINGS, check_rounding
 from ._spectra import DEFAULT_FORMS, _check_forms
@@ -244,23 +245,12 @@ class DecomposeSpec:
 
 def _check_blocks(blocks: object) -> int | str:
     """``blocks`` as an int >= 1 or ``"layers"``; its upper bound ``L`` is the checkpoint's."""
-    if isinstance(blocks, str):
-        text = blocks.strip().lower()
-        if text == "layers":
-            return text
-        try:
-            blocks = int(text)
-        except ValueError:
-            raise DecompositionError(
-                f"blocks={blocks!r} is not an integer or 'layers' (passthrough)"
-            ) from None
-    if isinstance(blocks, bool) or not isinstance(blocks, int | np.integer):
-        raise DecompositionError(f"blocks must be an int or 'layers', got {blocks!r}")
-    if blocks < 1:
+    blocks = parse_blocks(blocks)
+    if blocks != "layers" and blocks < 1:
         raise DecompositionError(
             f"blocks={blocks} is below 1: give a number of bands >= 1, or 'layers' (passthrough)"
         )
-    return int(blocks)
+    return blocks
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecomposeSpec)}

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .._errors import DecompositionError
 
-__all__ = ["band_of_layers", "band_sizes", "group_blocks", "resolve_blocks"]
+__all__ = ["band_of_layers", "band_sizes", "group_blocks", "parse_blocks", "resolve_blocks"]
 
 
-def resolve_blocks(blocks: int | str, num_layers: int) -> int:
-    """Turn ``blocks`` (an int, or ``"layers"`` for passthrough) into ``G`` and check ``1 <= G <= L``."""
+def parse_blocks(blocks: object) -> int | str:
+    """``blocks`` as an int or ``"layers"`` (passthrough), from an int or its text; no bounds."""
     if isinstance(blocks, str):
         text = blocks.strip().lower()
         if text == "layers":
-            return num_layers
+            return text
         try:
             blocks = int(text)
         except ValueError:
             raise DecompositionError(
                 f"blocks={blocks!r} is not an integer or 'layers' (passthrough)"
             ) from None
-    if isinstance(blocks, bool) or not isinstance(blocks, int):
+    if isinstance(blocks, bool) or not isinstance(blocks, int | np.integer):
         raise DecompositionError(f"blocks must be an int or 'layers', got {blocks!r}")
+    return int(blocks)
+
+
+def resolve_blocks(blocks: int | str, num_layers: int) -> int:
+    """Turn ``blocks`` (an int, or ``"layers"`` for passthrough) into ``G`` and check ``1 <= G <= L``."""
+    blocks = parse_blocks(blocks)
+    if blocks == "layers":
+        return num_layers
     if not 1 <= blocks <= num_layers:
         raise DecompositionError(
             f"blocks={blocks} is outside 1..{num_layers} for a model of {num_layers} layers "

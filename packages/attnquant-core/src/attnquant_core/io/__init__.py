@@ -6,7 +6,9 @@
   :data:`FAMILIES`;
 * the theta checkpoint (``attnquant.json`` plus theta keys): :class:`ThetaCheckpoint` to read,
   :func:`save_theta` and the key and manifest helpers to write, :func:`atomic_directory`;
-* integrity: every tensor's digest, recorded at write, checked at read.
+* integrity: every tensor's digest, recorded at write, checked at read;
+* export: :func:`export_nvfp4` writes NVIDIA Model Optimizer's NVFP4 layout of the rebuilt
+  weights (``hf_quant_config.json``), for servers that read it.
 
 Depends on :mod:`attnquant_core.forms`, never on :mod:`attnquant_core.fit`.
 """
@@ -38,6 +40,14 @@ from ._manifest import (
     shared_key,
     stored_of,
     theta_key,
+)
+from ._modelopt import (
+    HF_QUANT_CONFIG_FILE,
+    ExportProgress,
+    config_quantization,
+    export_nvfp4,
+    hf_quant_config,
+    nvfp4_specs,
 )
 from ._safetensors import (
     DIGEST_ALGORITHM,
@@ -102,4 +112,11 @@ __all__ = [
     "shared_key",
     "stored_of",
     "theta_key",
+    # Model Optimizer's NVFP4 checkpoint (export)
+    "HF_QUANT_CONFIG_FILE",
+    "ExportProgress",
+    "config_quantization",
+    "export_nvfp4",
+    "hf_quant_config",
+    "nvfp4_specs",
 ]

@@ -1,6 +1,6 @@
 """Every form in the graph, without a graph: the per-layer choice, the tensors and the layout.
 
-The layer graph of ``test_layers.py`` runs these tensors against the numpy identity; here the
+attnquant-max's layer graph (its ``test_layers.py``) runs these tensors against the numpy identity; here the
 names, shapes and bytes are checked, and the layout read back from them.
 """
 
@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from attnquant_core import LowRankFamily, SharedBasisFamily
-from attnquant_max._layout import InGraphLayout, ingraph_tensors
-from attnquant_max._served import Served, served_layers
+from attnquant_core.serving import InGraphLayout, Served, ingraph_tensors, served_layers
+from attnquant_core.testing import MIXED_SHAPES as SHAPES
+from attnquant_core.testing import mixed_families
 
-from .test_layers import LAYERS, SHAPES, mixed_families
+LAYERS = 3  # mixed_families' layers
 
 
 def _tensors(fuse: bool) -> dict[str, np.ndarray]:

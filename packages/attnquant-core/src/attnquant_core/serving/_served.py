@@ -4,7 +4,7 @@ Every form of the identity (docs/architecture.md) runs in the graph holding only
 
 ``banded``
     ``y = s * (x W0^T) + (x V) U^T`` with the band's ``W0`` held once (the ``W0V`` band
-    weight of :mod:`attnquant_max._layout`).
+    weight of :mod:`attnquant_core.serving._layout`).
 ``lowrank``
     ``y = (x V_l) U_l^T``: two thin matmuls, no ``W0``.
 ``basis_in``

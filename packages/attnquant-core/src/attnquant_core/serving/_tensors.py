@@ -1,6 +1,6 @@
 """The theta tensors an in-graph model reads, built at load from the theta families (numpy only).
 
-Names and shapes are those of :mod:`attnquant_max._layout`'s docstring.
+Names and shapes are those of :mod:`attnquant_core.serving._layout`'s docstring.
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from attnquant_core import FamilyTheta, LayerTheta, basis_key, shared_key, theta_key
-from attnquant_core.io import nvfp4_key
-
+from ..forms import FamilyTheta, LayerTheta
+from ..io import basis_key, nvfp4_key, shared_key, theta_key
 from ._served import (
     FUSED_GROUPS,
     STAGE1_KINDS,

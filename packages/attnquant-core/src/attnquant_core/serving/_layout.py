@@ -22,7 +22,7 @@ GEMM formulation:
     and dropped per layer: nothing at passthrough, ``(L - 1) k r`` at ``G = 1``.
 
 The other forms (GEMM path only; how each layer is served is
-:func:`attnquant_max._served.served_layers`) keep the checkpoint's names:
+:func:`attnquant_core.serving._served.served_layers`) keep the checkpoint's names:
 
 ``<stack>.<i>.<family>.theta_U``, ``theta_V``
     low rank (both), shared basis on the input side (``theta_U``, the coefficients) or on
@@ -56,9 +56,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from attnquant_core import band_of_layers, basis_key, shared_key, theta_key
-from attnquant_core.io import NVFP4_PARTS, nvfp4_key
-
+from ..forms import band_of_layers
+from ..io import NVFP4_PARTS, basis_key, nvfp4_key, shared_key, theta_key
 from ._served import (
     FUSED_GROUPS,
     GEMM_PREFIX,
@@ -106,7 +105,7 @@ class InGraphLayout:
     fused_mlp : bool
         Custom op: one ``generated_mlp`` dispatch per MLP (``ATTNQUANT_FUSED_MLP``).
     served : dict of str to tuple of Served
-        GEMM path: how each layer of each family is served (:mod:`attnquant_max._served`),
+        GEMM path: how each layer of each family is served (:mod:`attnquant_core.serving._served`),
         banded ones included. Off the GEMM path: the families in forms without ``W0`` only
         (custom op: ``generated_lowrank``), empty when every family is banded.
     stacked : dict of str to tuple of int

@@ -1,36 +1,86 @@
 """The tensors a plan hands to MAX: rebuilt dense, quantized at load, or the theta tensors.
 
-Each function reads the checkpoint of a :class:`attnquant_max.ServingPlan` lazily (one family,
-band or layer at a time where the form allows) and yields ``(name, array)`` under the original
-Hugging Face names, in the source dtype.
+Each function reads the checkpoint of a serving plan (:class:`StatePlan`: the attributes of
+``attnquant_max.ServingPlan`` they read) lazily (one family, band or layer at a time where the
+form allows) and yields ``(name, array)`` under the original Hugging Face names, in the source
+dtype. numpy only: the plan is made and the arrays are handed to MAX by attnquant-max.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from attnquant_core import (
-    CheckpointError,
+from .._errors import CheckpointError
+from ..fit import decompose_family, rebuild_dense_state
+from ..forms import quantize_nvfp4
+from ..io import (
     ThetaCheckpoint,
-    decompose_family,
     dtype_from_name,
+    nvfp4_key,
     open_checkpoint,
     parse_projection_key,
-    rebuild_dense_state,
 )
-from attnquant_core.io import nvfp4_key
-
 from ._layout import ingraph_tensors
+from ._options import ServingOptions
 from ._tensors import nvfp4_tensors
 
-if TYPE_CHECKING:
-    from ._plan import ServingPlan
+__all__ = [
+    "HEAD_KEY",
+    "StatePlan",
+    "dense_state",
+    "quantized_state",
+    "theta_state",
+    "with_nvfp4_head",
+]
 
-__all__ = ["HEAD_KEY", "dense_state", "quantized_state", "theta_state", "with_nvfp4_head"]
+
+class StatePlan(Protocol):
+    """What the state functions read of a serving plan (``attnquant_max.ServingPlan`` is one)."""
+
+    @property
+    def model_path(self) -> Path:
+        """The checkpoint directory."""
+        ...
+
+    @property
+    def source(self) -> Literal["theta", "dense"]:
+        """A theta checkpoint (``attnquant.json`` present) or a dense one."""
+        ...
+
+    @property
+    def blocks(self) -> int | Literal["layers"] | None:
+        """``G`` of the weights served (``"layers"``: a dense checkpoint at passthrough)."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """``r`` of the correction a dense checkpoint is decomposed with."""
+        ...
+
+    @property
+    def path(self) -> str:
+        """The execution path (``gemm`` builds band weights)."""
+        ...
+
+    @property
+    def options(self) -> ServingOptions:
+        """What the load was asked for (``blocks``, ``qkv_fuse`` are read)."""
+        ...
+
+    @property
+    def nvfp4_families(self) -> tuple[str, ...]:
+        """The families whose ``W0`` is stored in NVFP4, handed on as stored."""
+        ...
+
+    @property
+    def head_nvfp4(self) -> bool:
+        """Whether the output head is quantized to NVFP4 at load."""
+        ...
+
 
 #: The output head of a Hugging Face Llama checkpoint (``--quant-head`` quantizes it).
 HEAD_KEY = "lm_head.weight"
@@ -38,7 +88,7 @@ _EMBEDDING_KEY = "embed_tokens.weight"
 
 
 def _nvfp4_parts(key: str, q: Any) -> Iterator[tuple[str, np.ndarray]]:
-    """The three tensors of an NVFP4 ``<prefix>.weight``, as :mod:`._nvfp4_layers` reads them."""
+    """The three tensors of an NVFP4 ``<prefix>.weight``, as attnquant-max's NVFP4 layers read them."""
     prefix = key[: -len(".weight")]
     yield key, q.weight
     yield f"{prefix}.weight_scale", q.weight_scale.view(np.uint8)
@@ -61,8 +111,6 @@ def with_nvfp4_head(
     NVFP4Error
         The head holds NaN/Inf, or its input size is not a multiple of 16.
     """
-    from ._nvfp4 import quantize_nvfp4
-
     embedding: tuple[str, np.ndarray] | None = None
     head = False
     for key, array in items:
@@ -83,19 +131,19 @@ def with_nvfp4_head(
     yield from _nvfp4_parts(HEAD_KEY, quantize_nvfp4(embedding[1], name=embedding[0]))
 
 
-def theta_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+def theta_state(plan: StatePlan) -> Iterator[tuple[str, np.ndarray]]:
     """In-graph paths: every tensor the theta model reads (original names, source dtype);
     with :attr:`head_nvfp4`, the output head quantized (:func:`with_nvfp4_head`).
 
     The checkpoint's other tensors (embeddings, norms, head), then the
-    theta tensors of :func:`attnquant_max._layout.ingraph_tensors`: ``W0V``
+    theta tensors of :func:`attnquant_core.serving._layout.ingraph_tensors`: ``W0V``
     band weights and every other form's factors (or, where they are not smaller,
     the layer's dense weight rebuilt once) on the GEMM path, ``W0`` and ``theta_V`` on
     the in-graph precompute path. A dense checkpoint is decomposed here, with
     ``G``, ``r`` of the plan (passthrough: ``W0 = W``, ``s = 1``, no correction).
     Every float family is held in memory at once (q/k/v share band weights); the families
     of :attr:`nvfp4_families` are read one band and one layer at a time and handed on as
-    stored (:func:`attnquant_max._tensors.nvfp4_tensors`): nothing is dequantized.
+    stored (:func:`attnquant_core.serving._tensors.nvfp4_tensors`): nothing is dequantized.
 
     Raises
     ------
@@ -106,7 +154,7 @@ def theta_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
     return _with_head(plan, _theta_tensors(plan))
 
 
-def _theta_tensors(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+def _theta_tensors(plan: StatePlan) -> Iterator[tuple[str, np.ndarray]]:
     """:meth:`theta_state` before the head is quantized."""
     families: dict[str, Any] = {}
     dtypes: dict[str, np.dtype] = {}
@@ -157,7 +205,7 @@ def _theta_tensors(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
     )
 
 
-def _checked_nvfp4(plan: ServingPlan, ckpt: ThetaCheckpoint, name: str) -> Iterator[Any]:
+def _checked_nvfp4(plan: StatePlan, ckpt: ThetaCheckpoint, name: str) -> Iterator[Any]:
     """The stored NVFP4 ``W0`` of each band of ``name``, its scales checked (see
     :meth:`theta_state`)."""
     for band in range(max(ckpt.families[name]["bands"]) + 1):
@@ -177,13 +225,13 @@ def _checked_nvfp4(plan: ServingPlan, ckpt: ThetaCheckpoint, name: str) -> Itera
         yield q
 
 
-def quantized_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+def quantized_state(plan: StatePlan) -> Iterator[tuple[str, np.ndarray]]:
     """:meth:`state` with every projection ``W_eff`` quantized to NVFP4 (see below).
 
     A projection ``<prefix>.weight`` becomes ``<prefix>.weight`` (uint8 packed
     E2M1 codes ``[out, in/2]``), ``<prefix>.weight_scale`` (the float8_e4m3fn
     block scales as uint8 bytes ``[out, in/16]``) and ``<prefix>.weight_scale_2``
-    (float32 ``[1]``), the layout :mod:`attnquant_max._nvfp4_layers` reads.
+    (float32 ``[1]``), the layout ``attnquant_max``'s NVFP4 layers read.
     Every other tensor is unchanged, but the output head with ``ATTNQUANT_QUANT_HEAD=1``
     (:func:`with_nvfp4_head`). One projection is quantized at a time.
 
@@ -193,8 +241,6 @@ def quantized_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
         A projection's input size is not a multiple of 16, or it holds NaN/Inf;
         the message names the key.
     """
-    from ._nvfp4 import quantize_nvfp4
-
     for key, array in _with_head(plan, dense_state(plan)):
         parsed = parse_projection_key(key)
         if parsed is None or not key.endswith(".weight"):
@@ -204,13 +250,13 @@ def quantized_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def _with_head(
-    plan: ServingPlan, items: Iterator[tuple[str, np.ndarray]]
+    plan: StatePlan, items: Iterator[tuple[str, np.ndarray]]
 ) -> Iterator[tuple[str, np.ndarray]]:
     """``items``, the head quantized too where :attr:`head_nvfp4` (:func:`with_nvfp4_head`)."""
     return with_nvfp4_head(items, model_path=plan.model_path) if plan.head_nvfp4 else items
 
 
-def dense_state(plan: ServingPlan) -> Iterator[tuple[str, np.ndarray]]:
+def dense_state(plan: StatePlan) -> Iterator[tuple[str, np.ndarray]]:
     """Every dense key of the model with its array (original names, source dtype)."""
     if plan.source == "theta":
         return ThetaCheckpoint.open(plan.model_path, blocks=plan.options.blocks).rebuilt_state()

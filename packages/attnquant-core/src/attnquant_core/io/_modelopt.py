@@ -1,4 +1,4 @@
-"""Export the rebuilt weights as a Model Optimizer (modelopt) NVFP4 checkpoint.
+"""Export the rebuilt weights as a Model Optimizer (modelopt) NVFP4 checkpoint (numpy only).
 
 For every decoder projection (``q/k/v/o/gate/up/down_proj`` of every layer) the output holds::
 
@@ -31,35 +31,24 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from attnquant_core import (
-    Checkpoint,
-    ThetaCheckpoint,
-    atomic_directory,
-    copy_side_files,
-    is_theta_checkpoint,
-    open_checkpoint,
-)
-from attnquant_core.io import (
-    PlannedWriter,
-    TensorSpec,
-    dtype_from_name,
-    dtype_name,
-    is_float,
-)
-
-from ._nvfp4 import (
+from .._version import __version__
+from ..forms._nvfp4 import (
     BLOCK_SIZE,
     NVFP4Error,
     check_nvfp4_shape,
     dequantize_nvfp4,
     quantize_nvfp4,
 )
+from ._atomic import atomic_directory, copy_side_files
+from ._checkpoint import Checkpoint, open_checkpoint
+from ._manifest import is_theta_checkpoint
+from ._safetensors import PlannedWriter, TensorSpec, dtype_from_name, dtype_name, is_float
+from ._theta_read import ThetaCheckpoint
 
 __all__ = [
     "HF_QUANT_CONFIG_FILE",
@@ -178,10 +167,7 @@ def _excluded_modules(source: _Source) -> list[str]:
 
 
 def _producer() -> dict[str, str]:
-    try:
-        writer = f"attnquant-max {version('attnquant-max')}"
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        writer = "attnquant-max"
+    writer = f"attnquant-core {__version__}"
     # MAX maps `producer.name` to `quant_method`, so it must read "modelopt"; the version says
     # who wrote the file.
     return {"name": "modelopt", "version": writer}
