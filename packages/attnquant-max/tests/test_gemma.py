@@ -76,9 +76,9 @@ STACKS = {
 
 @pytest.fixture(scope="module")
 def max_archs() -> dict[str, Any]:
-    from attnquant_max._architectures import ARCHITECTURES
+    from attnquant_max.architectures import build_architectures
 
-    return {arch.name: arch for arch in ARCHITECTURES}
+    return {arch.name: arch for arch in build_architectures()}
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def _our_state(
     checkpoint at ``path``."""
     from max.graph.weights import WeightsFormat
 
-    from attnquant_max._architectures import build_architectures
+    from attnquant_max.architectures import build_architectures
 
     arch = {a.name: a for a in build_architectures(options)}[name]
     adapter = arch.weight_adapters[WeightsFormat.safetensors]

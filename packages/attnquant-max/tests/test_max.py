@@ -132,7 +132,7 @@ def test_adapter_decomposes_a_dense_checkpoint_at_load(
     """The wrapped Llama adapter, driven by MAX's own pipeline config, with G=1, r=8."""
     from max.graph.weights import WeightsFormat, load_weights
 
-    from attnquant_max._architectures import build_architectures
+    from attnquant_max.architectures import build_architectures
 
     options = ServingOptions(path="precompute-outside", blocks=1, rank=8)
     arch = next(a for a in build_architectures(options) if a.name == "LlamaForCausalLM")

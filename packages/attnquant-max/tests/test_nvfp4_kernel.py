@@ -60,8 +60,8 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     the op serves every batch: the long prompt's forward (16 rows or more) runs its panel GEMM,
     each decode step its register tiles.
     """
-    from attnquant_max import _ingraph
     from attnquant_max._nvfp4_layers import NVFP4Linear
+    from attnquant_max.architectures.llama3 import graph
 
     from .conftest import load_tiny, write_tiny_llama
     from .test_nvfp4_serving import NVFP4, PROMPTS, _dequantized_tensors, assert_serves_like
@@ -76,7 +76,7 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
         calls.append((self.out_dim, self.in_dim))
         return kernel_call(self, x)
 
-    monkeypatch.setattr(_ingraph, "nvfp4_fused", measured)  # ATTNQUANT_NVFP4_KERNEL=fused: never
+    monkeypatch.setattr(graph, "nvfp4_fused", measured)  # --nvfp4-kernel fused: never timed
     monkeypatch.setattr(NVFP4Linear, "kernel_call", counted)
     tensors = _dequantized_tensors()
     tensors["lm_head.weight"] = dequantize_nvfp4(quantize_nvfp4(tensors["lm_head.weight"]))

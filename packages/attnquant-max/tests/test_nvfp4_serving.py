@@ -171,7 +171,7 @@ def test_tile_state_rewrites_every_nvfp4_weight_once_in_the_tiled_layout() -> No
     from max.graph.weights import WeightData
 
     from attnquant_kernels.layout import tile_nvfp4
-    from attnquant_max._ingraph import _tile_state
+    from attnquant_max.architectures.llama3.model import _tile_state
 
     rng = np.random.default_rng(0)
     arrays = {
@@ -205,7 +205,8 @@ def test_merge_state_holds_qkv_and_gate_up_as_one_weight_each() -> None:
     from max.graph.weights import WeightData
 
     from attnquant_kernels.testing import nvfp4_dequantize, nvfp4_random
-    from attnquant_max._ingraph import GATE_UP, QKV, _merge_state
+    from attnquant_max.architectures.llama3.graph import GATE_UP, QKV
+    from attnquant_max.architectures.llama3.model import _merge_state
 
     rng = np.random.default_rng(0)
     rows = {"self_attn.q_proj": 32, "self_attn.k_proj": 16, "self_attn.v_proj": 16}

@@ -163,10 +163,10 @@ _LAZY = {
     "ThetaMLP": "._layers",
     "ThetaSharedBlocks": "._layers",
     "ThetaStackedLinear": "._layers",
-    "ThetaLlama3": "._ingraph",
-    "ThetaLlama3Model": "._ingraph",
-    "count_matmuls": "._ingraph",
-    "decoder_graph": "._ingraph",
+    "ThetaLlama3": ".architectures.llama3",
+    "ThetaLlama3Model": ".architectures.llama3",
+    "count_matmuls": ".architectures.llama3",
+    "decoder_graph": ".architectures.llama3",
 }
 
 

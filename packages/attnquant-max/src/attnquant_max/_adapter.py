@@ -54,7 +54,7 @@ class PlannedState(dict):
     """The state a weight adapter hands to MAX, carrying the plan it was made under.
 
     MAX keeps the adapter's return value as the pipeline model's ``state_dict``, so the graph
-    builder (:class:`attnquant_max._ingraph.ThetaLlama3Model`) reads the same plan instead of
+    builder (:class:`attnquant_max.architectures.llama3.ThetaLlama3Model`) reads the same plan instead of
     deciding again.
     """
 

@@ -19,7 +19,6 @@ import numpy as np
 from attnquant_core.serving import ServingOptions
 
 from ._config import require_device, require_implemented
-from ._serve import architectures_path
 
 __all__ = [
     "AGREEMENT_THRESHOLD",
@@ -141,14 +140,12 @@ def _register_architectures(options: ServingOptions) -> None:
 
     MAX looks the architecture up by name when a model is loaded; registering the variants
     whose weight adapter carries ``options`` (with ``allow_override``, as MAX does for
-    ``custom_architectures``) is how a load in this process receives them. The folder of
-    :func:`architectures_path` is imported first, once, so MAX never registers it over ours.
+    ``custom_architectures``) is how a load in this process receives them.
     """
     from max.pipelines.lib.arch_lookup import ARCH_LOOKUP
 
-    from ._architectures import build_architectures
+    from .architectures import build_architectures
 
-    ARCH_LOOKUP.import_custom_architectures([str(architectures_path())])
     for arch in build_architectures(options):
         ARCH_LOOKUP.register(arch, allow_override=True)
 

@@ -1,25 +1,10 @@
-"""The in-graph Llama: MAX's Llama3 with its projections swapped for theta layers.
+"""The in-graph Llama's pipeline model: the stock Llama3 pipeline model, building the theta graph.
 
-:class:`ThetaLlama3` builds the stock :class:`~max.pipelines.architectures.llama3.llama3.Llama3`
-(embedding, norms, attention kernels, KV cache, head all MAX's) and replaces,
-in every decoder block, the three modules that hold projection weights:
-
-* ``self_attn.qkv_proj`` (a ``StackedLinear`` the attention calls as
-  ``qkv_proj(x)`` and splits after) by a :class:`~attnquant_max._layers.ThetaStackedLinear`;
-* ``self_attn.o_proj`` by a :class:`~attnquant_max._layers.ThetaLinear`;
-* ``mlp`` by a :class:`~attnquant_max._layers.ThetaMLP`.
-
-Families banded with a ``W0`` stored in NVFP4 (format version 4) are NVFP4 layers with ``s``,
-``U``, ``V`` in the same model, beside any float form, their packed bytes held once per band.
-:class:`NVFP4Llama3` swaps every projection for an NVFP4 layer (``--quant nvfp4``).
-In either, ``--quant-head`` swaps the head for one too (the state then holds
-``lm_head.weight_scale_2``), and where the fused op serves on an AVX-512 CPU the pipeline
-model rewrites the packed weights in the tiled layout before the load (:func:`_tile_state`).
-
-:class:`ThetaLlama3Model` is the stock pipeline model, which builds this model
-instead of the stock one when the weight adapter handed it theta tensors (the
-in-graph paths); otherwise its graph is the stock one. Nothing in MAX is patched.
-Importing this module imports ``max.pipelines`` (~15 s).
+:class:`ThetaLlama3Model` builds :class:`~.graph.ThetaLlama3` (or :class:`~.graph.NVFP4Llama3`)
+instead of the stock model when its weight adapter handed it theta tensors under a plan that
+asks for an in-graph path; otherwise its graph is the stock one. Where the fused NVFP4 op
+serves, the state is rewritten at load (q/k/v and gate/up merged, :func:`_merge_state`; the
+tiled layout on an AVX-512 CPU, :func:`_tile_state`). Nothing in MAX is patched.
 """
 
 from __future__ import annotations
@@ -31,7 +16,6 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from max.dtype import DType
 from max.graph import Graph
 from max.pipelines.architectures.llama3.llama3 import Llama3
 from max.pipelines.architectures.llama3.model import Llama3Model
@@ -43,190 +27,19 @@ from attnquant_core.serving import InGraphLayout, ServingOptions
 from attnquant_kernels import kernels_path
 from attnquant_kernels.layout import tile_nvfp4
 
-from ._layers import ThetaBuilder, ThetaMLP
-from ._nvfp4_layers import (
-    NVFP4Linear,
-    NVFP4MergedLinear,
-    NVFP4StackedLinear,
-    merge_nvfp4,
-    nvfp4_fused,
-    nvfp4_tiled,
-)
-from ._plan import ServingPlan
+from ..._nvfp4_layers import merge_nvfp4
+from ..._plan import ServingPlan
+from .graph import MERGED, MERGED_NAMES, NVFP4Llama3, ThetaLlama3
 
-__all__ = [
-    "NVFP4Llama3",
-    "ThetaLlama3",
-    "ThetaLlama3Model",
-    "count_matmuls",
-    "decoder_graph",
-]
+__all__ = ["ThetaLlama3Model", "count_matmuls", "decoder_graph"]
 
 logger = logging.getLogger(__name__)
-
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-
-
-def _shapes(config: Llama3Config) -> dict[str, tuple[int, int]]:
-    hidden, head_dim = config.hidden_size, config.kv_params.head_dim
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    ffl = config.intermediate_size
-    return {
-        "self_attn.q_proj": (q, hidden),
-        "self_attn.k_proj": (kv, hidden),
-        "self_attn.v_proj": (kv, hidden),
-        "self_attn.o_proj": (hidden, q),
-        "mlp.gate_proj": (ffl, hidden),
-        "mlp.up_proj": (ffl, hidden),
-        "mlp.down_proj": (hidden, ffl),
-    }
-
-
-def _refuse_unsupported(config: Llama3Config, what: str) -> None:
-    unsupported = {
-        "attention_bias": config.attention_bias,
-        "clip_qkv": config.clip_qkv,
-        "quant_config": config.quant_config,
-        "quantization_config": config.quantization_config,
-        "model_quantization_encoding": config.model_quantization_encoding,
-        "stacked_qkv": config.stacked_qkv,
-        "stacked_mlp": config.stacked_mlp,
-    }
-    if any(unsupported.values()):
-        named = ", ".join(k for k, v in unsupported.items() if v)
-        raise NotImplementedError(f"{what} does not support {named} yet")
-
-
-class ThetaLlama3(Llama3):
-    """The stock single-device Llama3 with theta projections (see the module docstring).
-
-    Weight names: the stock ones for everything but the projections;
-    ``layers.<i>.<family>.theta_{s,U,V}`` and the band weights of
-    :mod:`attnquant_core.serving._layout` for those. A family banded with an NVFP4 ``W0`` (GEMM path)
-    keeps the checkpoint's names, ``attnquant.shared.<family>.<band>.W0_packed``, ``W0_scale``,
-    ``W0_scale_2`` held once per band, and runs as ``options.nvfp4_kernel`` says (fused
-    ``generated_linear_nvfp4`` or dequantized in the graph; ``auto`` timed once at start-up).
-    """
-
-    def __init__(
-        self,
-        config: Llama3Config,
-        layout: InGraphLayout,
-        *,
-        head: bool = False,
-        options: ServingOptions | None = None,
-    ) -> None:
-        _refuse_unsupported(
-            config,
-            "the in-graph theta Llama (serve this model on the precompute-outside path: "
-            "--path precompute-outside)",
-        )
-        super().__init__(config)
-        shapes = _shapes(config)
-        if layout.nvfp4:
-            wrong = {f: s for f, s in layout.nvfp4_shapes.items() if s != shapes.get(f)}
-            if wrong:
-                raise ValueError(
-                    f"the NVFP4 W0 of {', '.join(wrong)} is {list(wrong.values())}, the model's "
-                    f"config asks for {[shapes.get(f) for f in wrong]}"
-                )
-        # NVFP4 bands, or the head alone in NVFP4 beside float forms: one choice for both.
-        options = ServingOptions() if options is None else options
-        fused = (layout.nvfp4 or head) and _nvfp4_kernel_fused(
-            config.devices[0], shapes, options.nvfp4_kernel
-        )
-        self.needs_kernels = fused
-        self.nvfp4_tiled = fused and options.nvfp4_tiled and nvfp4_tiled(config.devices[0])
-        builder = ThetaBuilder(
-            layout,
-            num_layers=config.num_hidden_layers,
-            shapes=shapes,
-            dtype=config.dtype,
-            device=config.devices[0],
-            nvfp4_fused=fused,
-            nvfp4_tiled=self.nvfp4_tiled,
-        )
-        for i, block in enumerate(self.layers):
-            block.self_attn.replace_module("qkv_proj", builder.stacked(QKV, i))
-            block.self_attn.replace_module("o_proj", builder.linear("self_attn.o_proj", i))
-            block.replace_module("mlp", builder.mlp(i))
-        self.attnquant_blocks = builder.bank
-        self.layout = layout
-        if head:
-            _nvfp4_head(self, config, fused=fused, tiled=self.nvfp4_tiled)
-
-
-class NVFP4Llama3(Llama3):
-    """The stock single-device Llama3 with NVFP4 projections: dequantized in the graph, or
-    fused ``generated_linear_nvfp4`` dispatches, whichever was faster at start-up (logged).
-
-    Dequantized, ``self_attn.qkv_proj`` and ``mlp.gate_proj``/``up_proj`` stay one matmul each
-    over the concatenated dequantized weights, as in the stock model; weight names are the stock
-    ones plus ``weight_scale`` and ``weight_scale_2`` per projection
-    (:mod:`attnquant_max._nvfp4_layers`). Fused in float32 (the CPU), each of the two is one
-    dispatch over the members' packed weights concatenated at load
-    (:class:`~attnquant_max._nvfp4_layers.NVFP4MergedLinear`: ``self_attn.qkv_proj.*`` and
-    ``mlp.gate_up_proj.*``, written by :func:`_merge_state`); fused in bfloat16, one each.
-    """
-
-    def __init__(
-        self, config: Llama3Config, *, head: bool = False, options: ServingOptions | None = None
-    ) -> None:
-        _refuse_unsupported(config, "NVFP4 serving (--quant nvfp4)")
-        super().__init__(config)
-        shapes = _shapes(config)
-        dtype, device = config.dtype, config.devices[0]
-        options = ServingOptions() if options is None else options
-        fused = _nvfp4_kernel_fused(device, shapes, options.nvfp4_kernel)
-        self.needs_kernels = fused
-        self.nvfp4_tiled = tiled = fused and options.nvfp4_tiled and nvfp4_tiled(device)
-        self.nvfp4_merged = merged = fused and options.nvfp4_merge and _nvfp4_merged(dtype)
-
-        def linear(family: str) -> NVFP4Linear:
-            out_dim, in_dim = shapes[family]
-            return NVFP4Linear(
-                in_dim, out_dim, dtype=dtype, device=device, fused=fused, tiled=tiled
-            )
-
-        def stacked(families: tuple[str, ...]) -> NVFP4MergedLinear | NVFP4StackedLinear:
-            if merged:
-                out_dims = [shapes[f][0] for f in families]
-                in_dim = shapes[families[0]][1]
-                return NVFP4MergedLinear(
-                    in_dim, out_dims, dtype=dtype, device=device, fused=True, tiled=tiled
-                )
-            names = [f.split(".")[-1] for f in families]
-            return NVFP4StackedLinear([linear(f) for f in families], names)
-
-        for block in self.layers:
-            block.self_attn.replace_module("qkv_proj", stacked(QKV))
-            block.self_attn.replace_module("o_proj", linear("self_attn.o_proj"))
-            mlp = ThetaMLP(stacked(GATE_UP), linear("mlp.down_proj"))  # type: ignore[arg-type]
-            block.replace_module("mlp", mlp)
-        if head:
-            _nvfp4_head(self, config, fused=fused, tiled=tiled)
-
-
-def _nvfp4_merged(dtype: Any) -> bool:
-    """Whether fused NVFP4 q/k/v and gate/up run as one dispatch each
-    (:class:`~attnquant_max._nvfp4_layers.NVFP4MergedLinear`): in float32 activations."""
-    return dtype == DType.float32
-
-
-#: The merged NVFP4 projections of a layer (:class:`NVFP4Llama3`, fused, float32): MAX's name of
-#: the merged module, and its members in order.
-MERGED = {"self_attn.qkv_proj": QKV, "mlp.gate_up_proj": GATE_UP}
 
 _MERGED_MEMBER = re.compile(
     r"^layers\.(\d+)\.("
     + "|".join(re.escape(f) for g in MERGED.values() for f in g)
     + r")\.weight$"
 )
-
-
-#: The tensors of a merged projection, in :func:`merge_nvfp4`'s order.
-MERGED_NAMES = ("weight", "weight_scale", "weight_scale_2", "theta_s")
 
 
 def _merge_state(state: dict[str, Any]) -> int:
@@ -256,23 +69,6 @@ def _merge_state(state: dict[str, Any]) -> int:
     return count
 
 
-def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool, tiled: bool) -> None:
-    """Swap the stock head for an NVFP4 one (``--quant-head``): weights
-    ``lm_head.weight``, ``weight_scale``, ``weight_scale_2``, run as the projections run. A tied
-    head stops sharing the embedding's weight: the embedding keeps its float table."""
-    model.replace_module(
-        "lm_head",
-        NVFP4Linear(
-            config.hidden_size,
-            config.vocab_size,
-            dtype=config.dtype,
-            device=config.devices[0],
-            fused=fused,
-            tiled=tiled,
-        ),
-    )
-
-
 def _tile_state(state: dict[str, Any]) -> int:
     """Rewrite every NVFP4 weight of ``state`` (packed codes and block scales: ``.weight`` and
     ``.weight_scale``, ``W0_packed`` and ``W0_scale``) in the tiled layout, in place; the
@@ -289,15 +85,6 @@ def _tile_state(state: dict[str, Any]) -> int:
         for key, array in ((packed_key, packed), (scale_key, scale)):
             state[key] = WeightData.from_numpy(array, getattr(state[key], "name", key))
     return len(pairs)
-
-
-def _nvfp4_kernel_fused(device: Any, shapes: Mapping[str, tuple[int, int]], kernel: str) -> bool:
-    """generated_linear_nvfp4 or dequantize + matmul: ``--nvfp4-kernel``, or (auto) timed once
-    per process on the model's gate_proj shape, and logged."""
-    if kernel == "auto":
-        return nvfp4_fused(device, *shapes["mlp.gate_proj"])
-    logger.info("NVFP4 projections on %s: %s (--nvfp4-kernel)", device, kernel)
-    return kernel == "fused"
 
 
 #: The per-tensor scale of an NVFP4 head (``--quant-head``), in MAX names.
