@@ -33,11 +33,9 @@ SERVER_READY_TIMEOUT_S = 1200
 # The xdist groups that serve through MAX, longest first (the order xdist hands them out): the
 # first compiles the demo's graph (demo_graph), "tiny" runs on the other worker meanwhile (its
 # graphs are the tiny Llama's of attnquant-max's tests, cached by then in a full run);
-# "demo-eval-max" compiles a graph of its own (the demo built with enable_echo), "demo-budget"
-# another (the demo's budget-0.5 fit in the graph, on the custom op: 450 s warm on 2 cores).
+# "demo-eval-max" compiles a graph of its own (the demo built with enable_echo).
 SERVING_GROUPS = (
     "serve-reliability",
-    "demo-budget",
     "tiny",
     "demo-eval-max",
     "serve-clients",

@@ -87,7 +87,7 @@ def test_verify_nvfp4_reports_real_numbers(tiny, tmp_path, capsys, monkeypatch, 
     with caplog.at_level("INFO"):
         code, report, text = _verify(tiny, tiny, tmp_path, capsys)
     assert "dequantized inside the graph" in caplog.text  # the plan line names both forms
-    assert "fused (ATTNQUANT_NVFP4_KERNEL)" in caplog.text
+    assert "fused (--nvfp4-kernel)" in caplog.text
     assert 0.0 < report["max_abs_logprob_delta"] < float("inf")  # the quantized path ran
     assert 0.0 <= report["agreement"] <= 1.0
     assert code == (0 if report["native_equivalent"] else 1)

@@ -146,8 +146,16 @@ def _register_architectures(options: ServingOptions) -> None:
 
     from .architectures import build_architectures
 
-    for arch in build_architectures(options):
-        ARCH_LOOKUP.register(arch, allow_override=True)
+    # MAX warns at every override; replacing our own registration is the point, so its logger
+    # is quietened for the call (a real problem raises, and is not a warning).
+    quiet = logging.getLogger("max.pipelines")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        for arch in build_architectures(options):
+            ARCH_LOOKUP.register(arch, allow_override=True)
+    finally:
+        quiet.setLevel(level)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
