@@ -27,19 +27,15 @@ from attnquant_core.io import (
     SafetensorsFiles,
     export_nvfp4,
 )
-from attnquant_core.testing import make_weights, write_checkpoint
+from attnquant_core.testing import (
+    EXPORT_LAYERS,
+    EXPORT_SHAPES,
+    export_source_tensors,
+    make_weights,
+    write_checkpoint,
+)
 
-LAYERS = 3
-# make_weights' default shapes have inner dimensions of 24 and 40; NVFP4 needs multiples of 16.
-SHAPES = {
-    "self_attn.q_proj": (64, 32),
-    "self_attn.k_proj": (16, 32),
-    "self_attn.v_proj": (16, 32),
-    "self_attn.o_proj": (32, 64),
-    "mlp.gate_proj": (48, 32),
-    "mlp.up_proj": (48, 32),
-    "mlp.down_proj": (32, 48),
-}
+LAYERS, SHAPES = EXPORT_LAYERS, EXPORT_SHAPES
 PARTS = {  # suffix -> (safetensors dtype, shape from the dense (out, in))
     "weight": ("U8", lambda o, i: (o, i // 2)),
     "weight_scale": ("F8_E4M3", lambda o, i: (o, i // 16)),
@@ -48,15 +44,9 @@ PARTS = {  # suffix -> (safetensors dtype, shape from the dense (out, in))
 }
 
 
-def dense_tensors(dtype=np.float32) -> dict[str, np.ndarray]:
-    tensors = make_weights(LAYERS, shapes=SHAPES, dtype=dtype, seed=3)
-    tensors["lm_head.weight"] = np.random.default_rng(4).standard_normal((16, 32)).astype(dtype)
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("src") / "dense", dense_tensors())
+    return write_checkpoint(tmp_path_factory.mktemp("src") / "dense", export_source_tensors())
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +81,7 @@ def read_nvfp4(files: SafetensorsFiles, prefix: str) -> NVFP4Tensor:
 def test_keys_dtypes_and_shapes_follow_the_modelopt_layout(dense: Path, exported):
     out, _ = exported
     found = header(out)
-    src = dense_tensors()
+    src = export_source_tensors()
     expected: dict[str, tuple[str, tuple[int, ...]]] = {}
     for key, array in src.items():
         family = next((f for f in FAMILIES if key.endswith(f"{f}.weight")), None)
@@ -106,7 +96,7 @@ def test_keys_dtypes_and_shapes_follow_the_modelopt_layout(dense: Path, exported
 
 def test_file_reads_back_with_safetensors(dense: Path, exported):
     out, _ = exported
-    src = dense_tensors()
+    src = export_source_tensors()
     with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
         assert f.metadata() == {"format": "pt"}
         # Every tensor safetensors' numpy backend can hold (all but the float8 scales).
@@ -124,7 +114,7 @@ def test_file_reads_back_with_safetensors(dense: Path, exported):
 
 def test_quantized_weights_are_the_reference_quantizer_output(exported):
     out, summary = exported
-    src = dense_tensors()
+    src = export_source_tensors()
     files = SafetensorsFiles.from_files(sorted(out.glob("*.safetensors")))
     for key, W in src.items():
         if not key.endswith("_proj.weight"):
@@ -201,14 +191,14 @@ def test_theta_source_exports_the_rebuilt_weights(dense: Path, tmp_path: Path):
 
 
 def test_bfloat16_tensors_stay_bfloat16(tmp_path: Path):
-    src = write_checkpoint(tmp_path / "bf16", dense_tensors(ml_dtypes.bfloat16))
+    src = write_checkpoint(tmp_path / "bf16", export_source_tensors(ml_dtypes.bfloat16))
     summary = export_nvfp4(src, tmp_path / "out")
     assert summary["source_dtypes"] == ["BF16"]
     assert summary["source_bytes"] * 2 == summary["float32_bytes"]
     files = SafetensorsFiles.from_files([tmp_path / "out" / "model.safetensors"])
     assert files.spec("model.embed_tokens.weight").dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(
-        files.get("lm_head.weight"), dense_tensors(ml_dtypes.bfloat16)["lm_head.weight"]
+        files.get("lm_head.weight"), export_source_tensors(ml_dtypes.bfloat16)["lm_head.weight"]
     )
     assert header(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"] == ("U8", (48, 16))
 
@@ -232,7 +222,7 @@ def test_inner_dimension_not_multiple_of_16_is_refused_before_writing(tmp_path: 
 
 
 def test_non_finite_weight_leaves_nothing(tmp_path: Path):
-    tensors = dense_tensors()
+    tensors = export_source_tensors()
     tensors["model.layers.1.mlp.down_proj.weight"][3, 4] = np.nan
     src = write_checkpoint(tmp_path / "nan", tensors)
     out = tmp_path / "out"

@@ -8,34 +8,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from attnquant_core.io import ExportProgress, export_nvfp4
-from attnquant_core.testing import make_weights, write_checkpoint
+from attnquant_core.testing import (
+    EXPORT_LAYERS,
+    EXPORT_SHAPES,
+    export_source_tensors,
+    write_checkpoint,
+)
 
-LAYERS = 3
-# make_weights' default shapes have inner dimensions of 24 and 40; NVFP4 needs multiples of 16.
-SHAPES = {
-    "self_attn.q_proj": (64, 32),
-    "self_attn.k_proj": (16, 32),
-    "self_attn.v_proj": (16, 32),
-    "self_attn.o_proj": (32, 64),
-    "mlp.gate_proj": (48, 32),
-    "mlp.up_proj": (48, 32),
-    "mlp.down_proj": (32, 48),
-}
-
-
-def dense_tensors(dtype=np.float32) -> dict[str, np.ndarray]:
-    tensors = make_weights(LAYERS, shapes=SHAPES, dtype=dtype, seed=3)
-    tensors["lm_head.weight"] = np.random.default_rng(4).standard_normal((16, 32)).astype(dtype)
-    return tensors
+LAYERS, SHAPES = EXPORT_LAYERS, EXPORT_SHAPES
 
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("src") / "dense", dense_tensors())
+    return write_checkpoint(tmp_path_factory.mktemp("src") / "dense", export_source_tensors())
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,12 @@ import numpy as np
 import safetensors.numpy
 
 __all__ = [
+    "EXPORT_LAYERS",
+    "EXPORT_SHAPES",
     "MIXED_SHAPES",
     "SHAPES",
     "SHAPES16",
+    "export_source_tensors",
     "llama_config",
     "make_weights",
     "mixed_families",
@@ -262,3 +265,24 @@ def mixed_families(seed: int = 11) -> dict[str, Any]:
         "mlp.up_proj": banded("mlp.up_proj", (3, 1, 2), (0, 0, 1)),
         "mlp.down_proj": banded("mlp.down_proj", (4, 4, 4), (0, 0, 0)),
     }
+
+
+#: The dense checkpoint the NVFP4 export tests write (core's writer, MAX's reader): every
+#: inner dimension a multiple of 16, q and o of different widths, and an untied head.
+EXPORT_LAYERS = 3
+EXPORT_SHAPES = {
+    "self_attn.q_proj": (64, 32),
+    "self_attn.k_proj": (16, 32),
+    "self_attn.v_proj": (16, 32),
+    "self_attn.o_proj": (32, 64),
+    "mlp.gate_proj": (48, 32),
+    "mlp.up_proj": (48, 32),
+    "mlp.down_proj": (32, 48),
+}
+
+
+def export_source_tensors(dtype: np.dtype | type = np.float32) -> dict[str, np.ndarray]:
+    """The tensors of the export tests' dense checkpoint (:data:`EXPORT_SHAPES`, a 16x32 head)."""
+    tensors = make_weights(EXPORT_LAYERS, shapes=EXPORT_SHAPES, dtype=dtype, seed=3)
+    tensors["lm_head.weight"] = np.random.default_rng(4).standard_normal((16, 32)).astype(dtype)
+    return tensors

@@ -350,8 +350,3 @@ class ServingOptions:
     def in_graph_asked(self) -> bool:
         """Whether the options name an in-graph path (any but ``auto`` and precompute-outside)."""
         return self.path not in ("auto", "precompute-outside")
-
-    def flag_of(self, field: str) -> str:
-        """How to name ``field`` in a message: its flag and its variable."""
-        spec = next(s for s in OPTIONS if s.field == field)
-        return f"{spec.flag.split('/')[0]} ({spec.variable})"
