@@ -10,7 +10,6 @@ Llama model in the graph holding its own bytes (docs/serving-paths.md).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -19,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from attnquant_core import MANIFEST_FILE, ThetaCheckpoint, is_theta_checkpoint, open_checkpoint
+from attnquant_core import ThetaCheckpoint, is_theta_checkpoint, open_checkpoint
 from attnquant_core.serving import ServingOptions, dense_state, quantized_state, theta_state
 
 from ._config import (
@@ -160,7 +159,7 @@ def plan_serving(model_path: str | Path, options: ServingOptions | None = None) 
     theta = is_theta_checkpoint(path)
     ckpt = ThetaCheckpoint.open(path, blocks=options.blocks) if theta else None
     in_graph_ok, why_not = _in_graph_possible(path, ckpt)
-    nvfp4 = _nvfp4_families(path) if theta else []
+    nvfp4 = [] if ckpt is None else _nvfp4_families(ckpt)
     auto = options.path == "auto"
     if nvfp4 and (options.quant is not None or options.in_graph_asked or (auto and in_graph_ok)):
         return _plan_nvfp4_w0(path, options, ckpt, nvfp4, why_not)
@@ -313,14 +312,9 @@ def _auto_custom_op(
     return {"path": "gemm", "reason": f"{reason}; GEMM, for {why}"}
 
 
-def _nvfp4_families(path: Path) -> list[str]:
-    """The families of the theta checkpoint at ``path`` whose ``W0`` is NVFP4 (its manifest's
-    ``quant``); empty when there is none (errors are left to the open)."""
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-        return sorted(n for n, f in manifest["families"].items() if f.get("quant") == "nvfp4")
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        return []
+def _nvfp4_families(ckpt: ThetaCheckpoint) -> list[str]:
+    """The families of ``ckpt`` whose ``W0`` is NVFP4 (its manifest's ``quant``)."""
+    return sorted(n for n, f in ckpt.families.items() if f.get("quant") == "nvfp4")
 
 
 def _plan_nvfp4_w0(
