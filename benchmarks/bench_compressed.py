@@ -31,7 +31,15 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
   written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
   (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served
   by MAX's own CPU 4-bit path (the stock MAX Llama, every matrix including the embedding and
-  head in that encoding).
+  head in that encoding);
+* ``llama.cpp f32`` / ``llama.cpp q4_0`` / ``llama.cpp q4_k_m``: what a CPU user runs instead of
+  MAX: the same weights as a float32 GGUF (``llamacpp.hf_to_gguf``), quantized by llama.cpp's
+  own ``llama-quantize`` (Q4_K_M: its K-quant mix, Q6_K head and half the ``attn_v`` /
+  ``ffn_down``), served by ``llama-server`` with as many threads as the machine has cores and
+  timed as the MAX rows are (the prompt as token ids, ``ignore_eos``, no prompt cache: one HTTP
+  round trip on the loopback per run beside the in-process MAX calls); their logit distance is
+  the numpy forward of the GGUF's dequantized weights against float32's greedy tokens. llama.cpp
+  is built once into a cache (``python benchmarks/llamacpp.py build``).
 
 For each: weight bytes the compiled model holds, decode tok/s at batch 1 (64 new tokens after a
 ``--prompt-tokens`` prompt), prefill tok/s of that prompt and time to first token, each as a ratio
@@ -50,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -75,6 +84,9 @@ VARIANTS = (
     "nvfp4+head per-member",
     "gguf q4_0",
     "gguf q4_k",
+    "llama.cpp f32",
+    "llama.cpp q4_0",
+    "llama.cpp q4_k_m",
 )
 #: Variant suffixes that serve the same weights another way: the serving option turned off,
 #: and what the row says.
@@ -184,6 +196,18 @@ def prepare(
             decompose_checkpoint(base_dir, out, blocks="layers", rank=16, quant="nvfp4")
         overrides = {"path": "in-graph", "nvfp4_kernel": "fused"}
         return out, overrides, "in graph, packed W0 + s, U, V in fused generated_linear_nvfp4"
+    if variant.startswith("llama.cpp"):
+        import llamacpp
+
+        quant = variant.split()[1]
+        (work / "llamacpp").mkdir(exist_ok=True)
+        f32 = work / "llamacpp" / "model-f32.gguf"
+        if not f32.exists():
+            llamacpp.hf_to_gguf(base_dir, f32)
+        out = work / "llamacpp" / f"model-{quant}.gguf"
+        if quant != "f32" and not out.exists():
+            llamacpp.quantize(f32, out, quant.upper(), threads=os.cpu_count() or 1)
+        return out, {}, f"llama.cpp {quant.upper()} (llama-server, llama-quantize)"
     if variant.startswith("gguf"):
         quant = variant.split()[1]
         out = work / f"gguf_{quant}"
@@ -200,6 +224,11 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
     """Load ``variant``; where its in-graph path is refused, fall back to precompute-outside."""
     from attnquant_max import ServingOptions, load_pipeline
 
+    if variant.startswith("llama.cpp"):
+        import llamacpp
+
+        threads = os.cpu_count() or 1
+        return llamacpp.LlamaCppModel(path, threads=threads, ctx=common["max_length"]), how
     if variant.startswith("gguf"):
         quant = variant.split()[1]
         gguf = path / f"model-{quant}.gguf"
@@ -213,6 +242,27 @@ def load_variant(variant: str, path: Path, overrides: dict, how: str, common: di
         reason = str(exc).split(". ")[0]
         loaded = load_pipeline(path, options=ServingOptions(path="precompute-outside"), **common)
         return loaded, f"precompute-outside (in-graph refused: {reason})"
+
+
+def runner_of(loaded: Any) -> Any:
+    """What ``bench_pair`` times: a MAX model's ``generate``, or llama-server's completion."""
+    from attnquant_cli._bench import generate_runner
+
+    return loaded.runner() if hasattr(loaded, "runner") else generate_runner(loaded)
+
+
+def parity_of(base: Any, loaded: Any, shape: Any) -> Any:
+    """Logit distance to float32 over :data:`PARITY_PROMPTS` x 16 greedy tokens: MAX models
+    teacher-forced through MAX, a llama.cpp GGUF through the numpy forward of its weights."""
+    from attnquant_max import ParityReport, greedy_generate, greedy_logprobs, logit_parity
+
+    if not hasattr(loaded, "scores"):
+        return logit_parity(base, loaded, PARITY_PROMPTS, 16)
+    prompts = [base.encode(p) for p in PARITY_PROMPTS]
+    tokens = [greedy_generate(base, ids, 16) for ids in prompts]
+    ours = [greedy_logprobs(base, ids, c) for ids, c in zip(prompts, tokens, strict=True)]
+    theirs = [loaded.scores(shape.config(), ids, c) for ids, c in zip(prompts, tokens, strict=True)]
+    return ParityReport.from_scores(ours, theirs, tokens)
 
 
 def main() -> None:
@@ -242,9 +292,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from attnquant_cli import demo_model_path
-    from attnquant_cli._bench import bench_pair, generate_runner, prompt_ids, summarize
+    from attnquant_cli._bench import bench_pair, prompt_ids, summarize
     from attnquant_core import machine_load, read_load
-    from attnquant_max import ServingOptions, load_pipeline, logit_parity
+    from attnquant_max import ServingOptions, load_pipeline
 
     shape = SHAPES[args.shape]
     proj_params, all_params = shape.parameters()
@@ -304,11 +354,15 @@ def main() -> None:
             loaded, how = load_variant(variant, path, overrides, how, common)
             try:
                 held = loaded.weight_bytes or sum(f.stat().st_size for f in path.glob("*.gguf"))
-                parity = logit_parity(base, loaded, PARITY_PROMPTS, 16)
+                parity = parity_of(base, loaded, shape)
+                streamed = getattr(loaded, "streamed_bytes", None)
+                streamed = streamed or streamed_bytes(held, shape, variant)
+                projected = getattr(loaded, "projection_bytes", None)
+                projected = projected or projection_bytes(held, shape, variant)
                 before = read_load()
                 runs = bench_pair(
-                    generate_runner(timed_base),
-                    generate_runner(loaded),
+                    runner_of(timed_base),
+                    runner_of(loaded),
                     prompt,
                     pairs=args.pairs,
                     new_tokens=args.new_tokens,
@@ -323,11 +377,10 @@ def main() -> None:
                 "prepare_s": prepared_s,
                 "weight_bytes": held,
                 "bytes_ratio": held / base_bytes,
-                "projection_bytes_ratio": projection_bytes(held, shape, variant)
-                / (4 * proj_params),
-                "streamed_bytes": streamed_bytes(held, shape, variant),
-                "roofline_tok_s": bandwidth / streamed_bytes(held, shape, variant),
-                "copy_roofline_tok_s": copy_bandwidth / streamed_bytes(held, shape, variant),
+                "projection_bytes_ratio": projected / (4 * proj_params),
+                "streamed_bytes": streamed,
+                "roofline_tok_s": bandwidth / streamed,
+                "copy_roofline_tok_s": copy_bandwidth / streamed,
                 "max_abs_logprob_delta": parity.max_abs_logprob_delta,
                 "agreement": parity.agreement,
                 **summary,

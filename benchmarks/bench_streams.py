@@ -1,0 +1,169 @@
+"""Many streams at once: ``attnquant serve`` against ``llama-server``, aggregate tokens per second.
+
+What an operator sees with concurrent clients: ``--streams`` (8 and 32) completions sent at
+once, each a distinct prompt of about ``--prompt-tokens`` tokens and ``--tokens`` greedy new
+tokens (``ignore_eos``), and the aggregate rate: every stream's new tokens over the wall time
+from the first request sent to the last response done. Both servers run side by side, each
+with room for every stream (``attnquant serve --max-batch-size N``: MAX batches the streams
+into one forward; ``llama-server -np N``: one slot a stream, continuously batched), and are
+timed in ABBA pairs (:func:`attnquant_core.run_paired`): attnquant / llama.cpp as the geometric
+mean of within-pair ratios with a bootstrap 95% interval, beside the machine's load.
+
+The model is the synthetic Llama of ``synthetic_llama.py`` (``--shape``), served by attnquant
+as ``--aq-args`` say (default: NVFP4 with its head, attnquant's fastest 4-bit decode) and by
+llama.cpp as its own ``llama-quantize`` made it (``--llamacpp``, default Q4_K_M).
+
+Run: ``uv run --all-packages --group bench python benchmarks/bench_streams.py --shape 300m
+--out streams.json`` (llama.cpp built first: ``python benchmarks/llamacpp.py build``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp
+from _servers import wait_healthy
+
+NAME = "m"
+
+
+def start_attnquant(model: Path, streams: int, max_length: int, args: list[str], log: Path):
+    """``attnquant serve`` of ``model`` with room for ``streams`` requests in one batch."""
+    from attnquant_max.gateway import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "attnquant_cli", "serve", str(model), "--port", str(port),
+            "--served-model-name", NAME, "--max-batch-size", str(streams),
+            "--max-length", str(max_length), "--no-echo", *args]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, log)
+    return proc, url
+
+
+def prompts(n: int, words: int) -> list[str]:
+    """``n`` distinct prompts (no shared prefix for a prompt cache to reuse)."""
+    from attnquant_cli._bench import BENCH_TEXT
+
+    text = (BENCH_TEXT * 8).split(" ")
+    return [f"# stream {i}\n" + " ".join(text[i : i + words]) for i in range(n)]
+
+
+def burst(client: httpx.Client, url: str, texts: list[str], tokens: int) -> dict[str, float]:
+    """All of ``texts`` at once through ``/v1/completions``; aggregate new tokens per second."""
+
+    def one(text: str) -> tuple[float, int, int]:
+        body = {"model": NAME, "prompt": text, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = client.post(f"{url}/v1/completions", json=body)
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        return time.perf_counter(), usage["completion_tokens"], usage["prompt_tokens"]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        done = list(pool.map(one, texts))
+    wall = max(d[0] for d in done) - start
+    new = sum(d[1] for d in done)
+    if new != tokens * len(texts):
+        raise RuntimeError(f"{url}: {new} tokens for {len(texts)} x {tokens}")
+    return {"tok_s": new / wall, "wall_s": wall, "prompt_tokens": sum(d[2] for d in done)}
+
+
+def main() -> None:
+    from synthetic_llama import SHAPES, write_synthetic
+
+    from attnquant_cli import demo_model_path
+    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="300m")
+    parser.add_argument("--streams", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=40, help="words of each prompt")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--aq-args", default="--quant nvfp4 --quant-head --nvfp4-kernel fused")
+    parser.add_argument("--llamacpp", default="Q4_K_M", help="llama-quantize type, or F32")
+    parser.add_argument("--work", type=Path, help="keep the checkpoints here")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
+    work = args.work or Path(tempfile.mkdtemp(prefix="aq-bench-streams-"))
+    model = work / "float32"
+    if not (model / "config.json").exists():
+        write_synthetic(model, SHAPES[args.shape], demo_model_path())
+    f32 = work / "llamacpp" / "model-f32.gguf"
+    f32.parent.mkdir(parents=True, exist_ok=True)
+    if not f32.exists():
+        llamacpp.hf_to_gguf(model, f32)
+    gguf = f32.with_name(f"model-{args.llamacpp.lower()}.gguf")
+    if not gguf.exists():
+        llamacpp.quantize(f32, gguf, args.llamacpp, threads=os.cpu_count() or 1)
+    threads = os.cpu_count() or 1
+    results: dict[str, object] = {"shape": args.shape, "tokens": args.tokens,
+                                  "aq_args": args.aq_args, "llamacpp": args.llamacpp,
+                                  "streams": {}}  # fmt: skip
+    max_length = 2 * args.prompt_words + args.tokens + 64
+    for n in args.streams:
+        texts = prompts(n, args.prompt_words)
+        aq = lcpp = None
+        try:
+            aq = start_attnquant(model, n, max_length, shlex.split(args.aq_args),
+                                 work / f"attnquant-{n}.log")  # fmt: skip
+            lcpp = llamacpp.LlamaServer(gguf, threads=threads, ctx=max_length, parallel=n)
+            with httpx.Client(timeout=1800) as client:
+                before = read_load()
+                runs = run_paired(
+                    lambda u=aq[1], t=texts: burst(client, u, t, args.tokens),
+                    lambda u=lcpp.url, t=texts: burst(client, u, t, args.tokens),
+                    pairs=args.pairs,
+                    warmup=1,
+                )
+                load = machine_load(before)
+        finally:
+            if aq is not None:
+                os.killpg(aq[0].pid, signal.SIGINT)
+                aq[0].wait(timeout=60)
+            if lcpp is not None:
+                lcpp.close()
+        ratio = paired_ratio([r["tok_s"] for r in runs.a], [r["tok_s"] for r in runs.b])
+        row = {
+            "ratio": ratio.to_json(),
+            "attnquant_tok_s": [r["tok_s"] for r in runs.a],
+            "llamacpp_tok_s": [r["tok_s"] for r in runs.b],
+            "prompt_tokens": {
+                "attnquant": runs.a[0]["prompt_tokens"],
+                "llamacpp": runs.b[0]["prompt_tokens"],
+            },
+            "load": load.to_json(),
+        }
+        results["streams"][str(n)] = row
+        med = {k: sorted(row[k])[len(row[k]) // 2] for k in ("attnquant_tok_s", "llamacpp_tok_s")}
+        print(
+            f"{n} streams: attnquant / llama.cpp {ratio.ratio:.3f} [{ratio.low:.3f}, "
+            f"{ratio.high:.3f}]; {med['attnquant_tok_s']:.1f} against "
+            f"{med['llamacpp_tok_s']:.1f} tok/s aggregate; prompt tokens "
+            f"{row['prompt_tokens']}; {load.describe()}",
+            flush=True,
+        )
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

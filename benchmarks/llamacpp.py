@@ -1,0 +1,514 @@
+"""llama.cpp beside attnquant: what a CPU user picks instead, built here from a registry's source.
+
+* :func:`build` builds llama.cpp's tools (``llama-bench``, ``llama-quantize``, ``llama-server``,
+  ``llama-perplexity``, ``llama-imatrix``) once into a cache, from the llama.cpp tree that
+  ``llama-cpp-python``'s sdist carries (PyPI has no llama.cpp binaries for this machine; the
+  sdist is a registry package, fetched by ``pip download``, so nothing outside the registries is
+  reached). Native CPU flags, Release, no network features. Never run by the default CI.
+* :func:`hf_to_gguf` writes a Hugging Face Llama checkpoint (ours: the demo, a trained or a
+  synthetic one) as a float32 GGUF with its tokenizer, laid out as llama.cpp's converter lays it
+  out (q/k rows permuted to interleaved RoPE), so llama.cpp's own ``llama-quantize`` makes its
+  Q4_0 / Q4_K_M / imatrix files from the very weights attnquant compresses.
+* :class:`LlamaServer` serves a GGUF with ``llama-server``; :meth:`LlamaServer.runner` times a
+  greedy completion of token ids exactly as :func:`attnquant_cli._bench.measure` times a MAX
+  model (the prompt as ids, ``ignore_eos``, no prompt cache).
+* :func:`gguf_state` reads a (quantized) GGUF back into float32 Hugging Face tensors with the
+  ``gguf`` package, for the numpy forward's perplexity, agreement and KL on our own tokens.
+
+Cache: ``$ATTNQUANT_BENCH_CACHE`` or ``~/.cache/attnquant-bench``. Build by hand with
+``uv run python benchmarks/llamacpp.py build`` (about 40 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import wait_healthy
+
+__all__ = [
+    "LLAMA_CPP_PYTHON",
+    "TOOLS",
+    "LlamaCppModel",
+    "LlamaServer",
+    "build",
+    "gguf_state",
+    "hf_to_gguf",
+    "imatrix",
+    "quantize",
+    "tool",
+]
+
+#: The llama-cpp-python release whose vendored llama.cpp tree is built (its commit is recorded).
+LLAMA_CPP_PYTHON = "0.3.36"
+TOOLS = ("llama-bench", "llama-quantize", "llama-server", "llama-perplexity", "llama-imatrix")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",  # static: the finished tree is renamed into place
+)
+
+
+def cache_root() -> Path:
+    """Where the sdist, the build and the GGUF files of the benchmarks are kept."""
+    root = os.environ.get("ATTNQUANT_BENCH_CACHE") or Path.home() / ".cache" / "attnquant-bench"
+    return Path(root)
+
+
+def _home(version: str) -> Path:
+    return cache_root() / f"llama.cpp-{version}"
+
+
+def tool(name: str, version: str = LLAMA_CPP_PYTHON) -> Path:
+    """The path of a built llama.cpp tool; exits saying how to build it when absent."""
+    path = _home(version) / "build" / "bin" / name
+    if not path.exists():
+        raise SystemExit(f"{path} is not built: uv run python benchmarks/llamacpp.py build")
+    return path
+
+
+def build(version: str = LLAMA_CPP_PYTHON, *, jobs: int | None = None) -> dict[str, Any]:
+    """Build llama.cpp's :data:`TOOLS` once (a no-op when ``built.json`` is there); returns it.
+
+    The sdist comes from ``pip download`` (the registries pip is configured with); the tree is
+    unpacked, configured and built under a temporary name and renamed when done, so an
+    interrupted build leaves nothing that looks finished.
+    """
+    home = _home(version)
+    marker = home / "built.json"
+    if marker.exists():
+        return json.loads(marker.read_text())
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+            if (
+                shutil.which("pip") is None
+                and subprocess.run(
+                    [sys.executable, "-m", "pip", "--version"], capture_output=True
+                ).returncode
+            ):
+                pip = ["uv", "run", "--no-project", "--with", "pip", "python", *pip[1:]]
+            subprocess.run([*pip, "-d", tmp, f"llama-cpp-python=={version}"], check=True)
+            (got,) = Path(tmp).glob("*.tar.gz")
+            got.rename(sdist)
+    work = Path(tempfile.mkdtemp(prefix=f"{home.name}.tmp-", dir=root))
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for m in members:
+            m.name = "src/" + m.name.removeprefix(prefix)
+        tar.extractall(work, members=members, filter="data")
+    src, out = work / "src", work / "build"
+    t0 = time.perf_counter()
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", src, "-B", out, *generator, *CMAKE_FLAGS], check=True)
+    jobs = jobs or os.cpu_count() or 1
+    subprocess.run(["cmake", "--build", out, "-j", str(jobs), "--target", *TOOLS], check=True)
+    info = {
+        "llama_cpp_python": version,
+        "llama_cpp_version": _version(out / "bin"),
+        "cmake_flags": list(CMAKE_FLAGS),
+        "tools": list(TOOLS),
+        "build_s": round(time.perf_counter() - t0),
+    }
+    (work / "built.json").write_text(json.dumps(info, indent=2) + "\n")
+    if home.exists():
+        shutil.rmtree(home)
+    work.rename(home)
+    return info
+
+
+def _version(bin_dir: Path) -> str:
+    """What the built tools say they are (the sdist carries no git history: ``build 0``)."""
+    out = subprocess.run([bin_dir / "llama-server", "--version"], capture_output=True, text=True)
+    return next((ln for ln in (out.stdout + out.stderr).splitlines() if "ersion" in ln), "?")
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_OTHER = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(key: str) -> str:
+    """llama.cpp's tensor name of a Hugging Face Llama key."""
+    if key in _OTHER:
+        return _OTHER[key]
+    _, _, layer, *rest = key.split(".")
+    return f"blk.{layer}.{_GGUF_NAMES['.'.join(rest[:-1])]}.weight"
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face key of a llama.cpp tensor name (:func:`gguf_name` inverted)."""
+    inverse = {v: k for k, v in _OTHER.items()}
+    if name in inverse:
+        return inverse[name]
+    _, layer, short, _ = name.split(".")
+    module = {v: k for k, v in _GGUF_NAMES.items()}[short]
+    return f"model.layers.{layer}.{module}.weight"
+
+
+def permute_rope(W: np.ndarray, heads: int, *, inverse: bool = False) -> np.ndarray:
+    """llama.cpp's q/k row order: per head, half-split RoPE pairs to interleaved (or back)."""
+    rows = W.shape[0]
+    if inverse:
+        return W.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(W.shape)
+    return W.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(W.shape)
+
+
+def _tensors(checkpoint: Path) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = ["model.safetensors"]
+    for name in files:
+        with safe_open(checkpoint / name, "numpy") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _layer_order(key: str) -> tuple[int, str]:
+    parts = key.split(".")
+    return (int(parts[2]) if parts[1] == "layers" else -1, key)
+
+
+def hf_to_gguf(checkpoint: Path, out: Path) -> Path:
+    """Write a Hugging Face Llama ``checkpoint`` as a float32 GGUF with its BPE tokenizer.
+
+    What llama.cpp's ``convert_hf_to_gguf.py`` writes for such a model (it needs torch and
+    transformers, so it is not used): the hyperparameters, the byte-level BPE vocabulary with
+    its merges and special ids (``gpt2`` model, GPT-2 pre-tokenizer, as the tokenizer's
+    ``ByteLevel(use_regex)`` splits), every tensor float32, q/k rows in llama.cpp's RoPE order.
+    """
+    import gguf
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_name(checkpoint.name)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    writer.add_value_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer, checkpoint, cfg)
+    tensors = dict(_tensors(checkpoint))
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" in tensors:
+        del tensors["lm_head.weight"]
+    for key in sorted(tensors, key=_layer_order):
+        W = tensors[key].astype(np.float32)
+        if key.endswith("q_proj.weight"):
+            W = permute_rope(W, heads)
+        elif key.endswith("k_proj.weight"):
+            W = permute_rope(W, kv_heads)
+        writer.add_tensor(gguf_name(key), np.ascontiguousarray(W))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(out)
+    return out
+
+
+def _add_tokenizer(writer: Any, checkpoint: Path, cfg: dict) -> None:
+    """The ``tokenizer.json`` byte-level BPE as GGUF's ``gpt2`` tokenizer."""
+    import gguf
+
+    tok = json.loads((checkpoint / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    special = {t["id"]: t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
+    size = max(cfg["vocab_size"], max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = gguf.TokenType.NORMAL
+    for i, text in special.items():
+        tokens[i] = text
+        types[i] = gguf.TokenType.CONTROL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (
+        ("bos_token_id", writer.add_bos_token_id),
+        ("eos_token_id", writer.add_eos_token_id),
+        ("pad_token_id", writer.add_pad_token_id),
+    ):
+        if cfg.get(key) is not None:
+            add(cfg[key])
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+
+def gguf_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """A GGUF's tensors dequantized to float32, as Hugging Face keys and row order, and the bytes
+    each tensor holds in the file (what its bits per weight are counted from)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {f.name: f for f in reader.fields.values()}
+
+    def scalar(name: str) -> int:
+        field = fields[name]
+        return int(field.parts[field.data[0]][0])
+
+    heads, kv_heads = scalar("llama.attention.head_count"), scalar("llama.attention.head_count_kv")
+    state, sizes = {}, {}
+    for t in reader.tensors:
+        W = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        W = W.reshape([int(d) for d in reversed(t.shape)])
+        key = hf_name(t.name)
+        if key.endswith("q_proj.weight"):
+            W = permute_rope(W, heads, inverse=True)
+        elif key.endswith("k_proj.weight"):
+            W = permute_rope(W, kv_heads, inverse=True)
+        state[key] = W
+        sizes[key] = int(t.n_bytes)
+    return state, sizes
+
+
+# --- llama.cpp's own tools -----------------------------------------------------------------------
+
+
+def _run(cmd: list, log: Path) -> None:
+    """Run a llama.cpp tool with its output in ``log``; a failure says the tail of the log."""
+    with log.open("w") as f:
+        done = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"{Path(cmd[0]).name} exited {done.returncode} (log {log}):\n{tail}")
+
+
+def quantize(
+    src: Path,
+    dst: Path,
+    qtype: str,
+    *,
+    imatrix: Path | None = None,
+    threads: int = 2,
+    extra: Sequence[str] = (),
+) -> Path:
+    """``llama-quantize src dst qtype`` (``Q4_0``, ``Q4_K_M``, ...), with an importance matrix
+    when given and ``extra`` options before the paths (``--output-tensor-type f32``, ...);
+    written under a temporary name, renamed when complete. Its output is kept in
+    ``dst.log`` (the types it chose, fallbacks for rows not a multiple of 256)."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    cmd: list = [tool("llama-quantize"), *extra]
+    if imatrix is not None:
+        cmd += ["--imatrix", imatrix]
+    _run([*cmd, src, tmp, qtype, str(threads)], dst.with_name(dst.name + ".log"))
+    tmp.replace(dst)
+    return dst
+
+
+def imatrix(
+    model: Path,
+    text: Path,
+    out: Path,
+    *,
+    threads: int = 2,
+    ctx: int = 256,
+    chunks: int = 64,
+    parse_special: bool = False,
+) -> Path:
+    """``llama-imatrix`` of ``model`` over the calibration ``text`` (``ctx``-token chunks, the
+    first token of each replaced by BOS, as llama-imatrix does); ``parse_special``: special
+    tokens written in the text (``<|eos|>``) are read as those tokens. Log in ``out.log``."""
+    tmp = out.with_name(out.name + ".tmp.gguf")
+    cmd = [tool("llama-imatrix"), "-m", model, "-f", text, "-o", tmp, "-t", str(threads)]
+    cmd += ["-c", str(ctx), "--chunks", str(chunks), "--no-ppl"]
+    if parse_special:
+        cmd.append("--parse-special")
+    _run(cmd, out.with_name(out.name + ".log"))
+    tmp.replace(out)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """``llama-server`` on a GGUF file, on a free loopback port, stopped on :meth:`close`.
+
+    ``parallel`` slots share a context of ``parallel * ctx`` tokens (``-np``, ``-c``): one
+    stream per slot, continuous batching as llama-server does it.
+    """
+
+    def __init__(
+        self, model: Path, *, threads: int = 2, ctx: int = 1024, parallel: int = 1
+    ) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        cmd = [tool("llama-server"), "-m", model, "--host", "127.0.0.1", "--port", self.port]
+        cmd += ["-t", threads, "-tb", threads, "-c", ctx * parallel, "-np", parallel]
+        cmd += ["-b", 512, "-ub", 512, "--no-webui"]
+        self.command = [str(c) for c in cmd]
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.proc, self.url, self.log, timeout_s=300)
+        except BaseException:
+            self.close()
+            raise
+
+    def complete(self, ids: list[int], n: int) -> dict[str, Any]:
+        """A greedy completion of the token ids ``ids``: exactly ``n`` new tokens."""
+        import httpx
+
+        body = {
+            "prompt": ids,
+            "n_predict": n,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "temperature": 0.0,
+            "top_k": 1,
+            "samplers": ["top_k"],
+        }
+        r = httpx.post(f"{self.url}/completion", json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    def runner(self) -> Callable[[list[int], int], Any]:
+        """A :data:`attnquant_cli._bench.Runner`: what ``measure`` times."""
+        return self.complete
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LlamaCppModel:
+    """A GGUF file served by ``llama-server``: what ``bench_compressed`` times beside a MAX model.
+
+    ``weight_bytes`` is what its tensors hold in the file; ``streamed_bytes`` what one batch-1
+    decode step reads (every tensor but the embedding table, of which it reads one row, when
+    the head is a tensor of its own); ``projection_bytes`` the seven projections' share.
+    """
+
+    def __init__(self, gguf: Path, *, threads: int, ctx: int) -> None:
+        import gguf as gg
+
+        self.path = gguf
+        tensors = {t.name: t for t in gg.GGUFReader(str(gguf)).tensors}
+        sizes = {name: int(t.n_bytes) for name, t in tensors.items()}
+        self.weight_bytes = sum(sizes.values())
+        table, vocab = sizes["token_embd.weight"], int(tensors["token_embd.weight"].shape[1])
+        tied = "output.weight" not in sizes
+        self.streamed_bytes = self.weight_bytes - (0 if tied else table - table // vocab)
+        self.projection_bytes = sum(
+            n for k, n in sizes.items() if k.startswith("blk.") and "norm" not in k
+        )
+        self.types = sorted({t.tensor_type.name for t in tensors.values()})
+        self.server = LlamaServer(gguf, threads=threads, ctx=ctx)
+
+    def runner(self) -> Callable[[list[int], int], Any]:
+        return self.server.runner()
+
+    def scores(self, config: dict, prompt: list[int], continuation: list[int]) -> Any:
+        """Teacher-forced scores of ``continuation`` under the GGUF's dequantized weights (the
+        numpy forward of attnquant-core in float32), as ``attnquant_max.TokenScores``."""
+        from attnquant_core.llama_reference import llama_logits
+        from attnquant_max import TokenScores
+
+        if not hasattr(self, "_state"):
+            self._state = gguf_state(self.path)[0]
+        ids = list(prompt) + list(continuation)
+        logits = llama_logits(config, self._state, ids[:-1], dtype=np.float32)[len(prompt) - 1 :]
+        logits = logits.astype(np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        top2 = np.sort(logp, axis=-1)[:, -2:]
+        return TokenScores(
+            logprobs=logp[np.arange(len(continuation)), continuation],
+            greedy=logp.argmax(-1),
+            margin=top2[:, 1] - top2[:, 0],
+        )
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build llama.cpp's tools into the cache")
+    b.add_argument("--jobs", type=int)
+    g = sub.add_parser("gguf", help="write a Hugging Face Llama checkpoint as a float32 GGUF")
+    g.add_argument("checkpoint", type=Path)
+    g.add_argument("out", type=Path)
+    args = parser.parse_args()
+    if args.command == "build":
+        print(json.dumps(build(jobs=args.jobs), indent=2))
+    else:
+        print(hf_to_gguf(args.checkpoint, args.out))
+
+
+if __name__ == "__main__":
+    main()
