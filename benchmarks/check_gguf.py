@@ -22,7 +22,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from synthetic_llama import _gguf_name, _gguf_order, _permute_rope
+from llamacpp import _layer_order as _gguf_order
+from llamacpp import gguf_name as _gguf_name
+from llamacpp import permute_rope as _permute_rope
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from llamacpp import _layer_order as _gguf_order
+from llamacpp import gguf_name as _gguf_name
+from llamacpp import permute_rope as _permute_rope
 
 __all__ = ["SHAPES", "ModelShape", "projection_shapes", "write_gguf", "write_synthetic"]
 
@@ -179,25 +182,6 @@ def write_synthetic(
     return directory
 
 
-def _permute_rope(W: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's q/k row permutation: half-split RoPE pairs to interleaved pairs, per head."""
-    out_dim = W.shape[0]
-    return W.reshape(heads, 2, out_dim // heads // 2, -1).swapaxes(1, 2).reshape(W.shape)
-
-
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-
-
 #: Values per Q4_K super-block, and per sub-block of it (each with a 6-bit scale and min).
 QK_K, Q4_K_SUB = 256, 32
 
@@ -292,20 +276,3 @@ def write_gguf(checkpoint: Path, out: Path, shape: ModelShape, *, quant: str = "
     writer.write_tensors_to_file()
     writer.close()
     return total
-
-
-def _gguf_order(key: str) -> tuple[int, str]:
-    parts = key.split(".")
-    return (int(parts[2]) if parts[1] == "layers" else -1, key)
-
-
-def _gguf_name(key: str) -> str:
-    if key == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if key == "model.norm.weight":
-        return "output_norm.weight"
-    if key == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, *rest = key.split(".")
-    module = ".".join(rest[:-1])
-    return f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
