@@ -7,6 +7,7 @@ model, one variant at a time, and timed as ``attnquant bench`` times it (adjacen
 order after a discarded warm-up run of each; THETA/BASE as the geometric mean of within-pair
 ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 
+* ``float32``: the base itself, served again (what ``--against`` times it against);
 * ``budget 0.7`` / ``budget 0.5``: ``decompose --budget`` checkpoints, served in the graph
   (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``, GEMM path) where attnquant-max serves their forms there,
   else on precompute-outside (dense rebuilt at load: no smaller, no faster), and the row says so;
@@ -69,6 +70,7 @@ from kernels_nvfp4 import memory_bandwidth, read_bandwidth
 from synthetic_llama import SHAPES, projection_shapes, write_gguf, write_synthetic
 
 VARIANTS = (
+    "float32",
     "budget 0.7",
     "budget 0.5",
     "budget 0.7 custom-op",
@@ -196,6 +198,8 @@ def prepare(
             decompose_checkpoint(base_dir, out, blocks="layers", rank=16, quant="nvfp4")
         overrides = {"path": "in-graph", "nvfp4_kernel": "fused"}
         return out, overrides, "in graph, packed W0 + s, U, V in fused generated_linear_nvfp4"
+    if variant == "float32":  # a second copy of the base, to time against --against
+        return base_dir, {"path": "precompute-outside"}, "float32, MAX's stock graph"
     if variant.startswith("llama.cpp"):
         import llamacpp
 

@@ -46,9 +46,6 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--inner", type=int, default=200, help="executions per timed sample")
     parser.add_argument("--pairs", type=int, default=8)
-    parser.add_argument(
-        "--threads", type=int, default=0, help="InferenceSession num_threads (0: MAX's default)"
-    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -60,7 +57,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     W = (rng.standard_normal((args.n, args.n)) / np.sqrt(args.n)).astype(np.float32)
     x = rng.standard_normal((1, args.n)).astype(np.float32)
-    session = InferenceSession(devices=[CPU()], num_threads=args.threads or None)
+    session = InferenceSession(devices=[CPU()])
     models, compile_s = {}, {}
     for length in args.chain:
         t0 = time.perf_counter()
@@ -103,7 +100,6 @@ def main() -> None:
     result = {
         "benchmark": "dispatch",
         "n": args.n,
-        "threads": args.threads or "default",
         "chain": args.chain,
         "compile_s": {str(k): v for k, v in compile_s.items()},
         "execute_s": {str(short): t_short, str(long): t_long},
@@ -113,7 +109,7 @@ def main() -> None:
         "load": load.to_json(),
     }
     print(
-        f"MAX CPU ({args.threads or 'default'} threads): one execute of {short} matmul(s) {t_short * 1e6:.1f} us, of {long} "
+        f"MAX CPU: one execute of {short} matmul(s) {t_short * 1e6:.1f} us, of {long} "
         f"{t_long * 1e6:.1f} us: {per_dispatch * 1e6:.2f} us a dispatch "
         f"([1, {args.n}] x [{args.n}, {args.n}]); numpy {numpy_per_op * 1e6:.2f} us a matmul; "
         f"{load.describe()}"

@@ -4,7 +4,7 @@ What an operator sees with concurrent clients: ``--streams`` (8 and 32) completi
 once, each a distinct prompt of about ``--prompt-tokens`` tokens and ``--tokens`` greedy new
 tokens (``ignore_eos``), and the aggregate rate: every stream's new tokens over the wall time
 from the first request sent to the last response done. Both servers run side by side, each
-with room for every stream (``attnquant serve --max-batch-size N``: MAX batches the streams
+with room for the most streams asked (``attnquant serve --max-batch-size N``: MAX batches the streams
 into one forward; ``llama-server -np N``: one slot a stream, continuously batched), and are
 timed in ABBA pairs (:func:`attnquant_core.run_paired`): attnquant / llama.cpp as the geometric
 mean of within-pair ratios with a bootstrap 95% interval, beside the machine's load.
@@ -30,6 +30,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -84,11 +85,45 @@ def burst(client: httpx.Client, url: str, texts: list[str], tokens: int) -> dict
     return {"tok_s": new / wall, "wall_s": wall, "prompt_tokens": sum(d[2] for d in done)}
 
 
+def measure(client: httpx.Client, aq_url: str, lcpp_url: str, n: int, args: Any) -> dict:
+    """``n`` streams at once on each server, ``args.pairs`` ABBA pairs; the row, printed."""
+    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
+
+    texts = prompts(n, args.prompt_words)
+    before = read_load()
+    runs = run_paired(
+        lambda: burst(client, aq_url, texts, args.tokens),
+        lambda: burst(client, lcpp_url, texts, args.tokens),
+        pairs=args.pairs,
+        warmup=1,
+    )
+    load = machine_load(before)
+    ratio = paired_ratio([r["tok_s"] for r in runs.a], [r["tok_s"] for r in runs.b])
+    row = {
+        "ratio": ratio.to_json(),
+        "attnquant_tok_s": [r["tok_s"] for r in runs.a],
+        "llamacpp_tok_s": [r["tok_s"] for r in runs.b],
+        "prompt_tokens": {
+            "attnquant": runs.a[0]["prompt_tokens"],
+            "llamacpp": runs.b[0]["prompt_tokens"],
+        },
+        "load": load.to_json(),
+    }
+    med = {k: sorted(row[k])[len(row[k]) // 2] for k in ("attnquant_tok_s", "llamacpp_tok_s")}
+    print(
+        f"{n} streams: attnquant / llama.cpp {ratio.ratio:.3f} [{ratio.low:.3f}, "
+        f"{ratio.high:.3f}]; {med['attnquant_tok_s']:.1f} against "
+        f"{med['llamacpp_tok_s']:.1f} tok/s aggregate; prompt tokens "
+        f"{row['prompt_tokens']}; {load.describe()}",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     from synthetic_llama import SHAPES, write_synthetic
 
     from attnquant_cli import demo_model_path
-    from attnquant_core import machine_load, paired_ratio, read_load, run_paired
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="300m")
@@ -119,49 +154,22 @@ def main() -> None:
                                   "aq_args": args.aq_args, "llamacpp": args.llamacpp,
                                   "streams": {}}  # fmt: skip
     max_length = 2 * args.prompt_words + args.tokens + 64
-    for n in args.streams:
-        texts = prompts(n, args.prompt_words)
-        aq = lcpp = None
-        try:
-            aq = start_attnquant(model, n, max_length, shlex.split(args.aq_args),
-                                 work / f"attnquant-{n}.log")  # fmt: skip
-            lcpp = llamacpp.LlamaServer(gguf, threads=threads, ctx=max_length, parallel=n)
-            with httpx.Client(timeout=1800) as client:
-                before = read_load()
-                runs = run_paired(
-                    lambda u=aq[1], t=texts: burst(client, u, t, args.tokens),
-                    lambda u=lcpp.url, t=texts: burst(client, u, t, args.tokens),
-                    pairs=args.pairs,
-                    warmup=1,
-                )
-                load = machine_load(before)
-        finally:
-            if aq is not None:
-                os.killpg(aq[0].pid, signal.SIGINT)
-                aq[0].wait(timeout=60)
-            if lcpp is not None:
-                lcpp.close()
-        ratio = paired_ratio([r["tok_s"] for r in runs.a], [r["tok_s"] for r in runs.b])
-        row = {
-            "ratio": ratio.to_json(),
-            "attnquant_tok_s": [r["tok_s"] for r in runs.a],
-            "llamacpp_tok_s": [r["tok_s"] for r in runs.b],
-            "prompt_tokens": {
-                "attnquant": runs.a[0]["prompt_tokens"],
-                "llamacpp": runs.b[0]["prompt_tokens"],
-            },
-            "load": load.to_json(),
-        }
-        results["streams"][str(n)] = row
-        med = {k: sorted(row[k])[len(row[k]) // 2] for k in ("attnquant_tok_s", "llamacpp_tok_s")}
-        print(
-            f"{n} streams: attnquant / llama.cpp {ratio.ratio:.3f} [{ratio.low:.3f}, "
-            f"{ratio.high:.3f}]; {med['attnquant_tok_s']:.1f} against "
-            f"{med['llamacpp_tok_s']:.1f} tok/s aggregate; prompt tokens "
-            f"{row['prompt_tokens']}; {load.describe()}",
-            flush=True,
-        )
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    capacity = max(args.streams)
+    aq = lcpp = None
+    try:
+        aq = start_attnquant(model, capacity, max_length, shlex.split(args.aq_args),
+                             work / "attnquant.log")  # fmt: skip
+        lcpp = llamacpp.LlamaServer(gguf, threads=threads, ctx=max_length, parallel=capacity)
+        with httpx.Client(timeout=1800) as client:
+            for n in args.streams:
+                results["streams"][str(n)] = measure(client, aq[1], lcpp.url, n, args)
+                args.out.write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        if aq is not None:
+            os.killpg(aq[0].pid, signal.SIGINT)
+            aq[0].wait(timeout=60)
+        if lcpp is not None:
+            lcpp.close()
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -13,8 +13,10 @@ bucketed by the symbol and library they fall in:
 * ``python``: the interpreter, MAX's Python bindings and numpy (sampling, scheduling);
 * ``other``: anything else (libc's allocator, the loader).
 
-With the decode rate measured in the same run, a bucket's share of the samples times the
-seconds a token takes says how many milliseconds of each token it holds.
+The samples fall on every thread that runs, so a bucket's share is a share of the CPU time the
+process spends (``/proc/PID/stat`` over the same window, both cores counted), and its share
+times that CPU time per token says how many CPU-milliseconds of each token it holds; beside it,
+the wall time a token takes.
 
 Run: ``uv run python benchmarks/profile_decode.py --shape 300m --variant "nvfp4+head"
 --work DIR`` (needs ``perf``; ``perf_event_paranoid`` <= 2 is enough for one's own process).
@@ -36,9 +38,9 @@ from pathlib import Path
 #: (bucket, library pattern, symbol pattern): the first that matches a sample's library or
 #: symbol takes it. MAX's compiled kernels run from JIT memory (``[JIT] tid N``) with no symbol
 #: names, beside Mojo's compiler runtime library; llama-server is one static binary whose
-#: ``ggml_`` symbols are named, its threads' barrier spin counted as runtime.
+#: ``ggml_`` symbols are named, its OpenMP threads' barrier spin (libgomp) counted as runtime.
 BUCKETS = (
-    ("runtime", r"^\[vdso\]|kallsyms|AsyncRT|libmax\.so|libMGPRT|libstdc\+\+|libgcc",
+    ("runtime", r"^\[vdso\]|kallsyms|AsyncRT|libmax\.so|libMGPRT|libstdc\+\+|libgcc|libgomp",
      r"clock_gettime|futex|sched_yield|ggml_barrier|pthread|chrono"),
     ("kernels", r"^\[JIT\]|KGENCompilerRT", r"^ggml_|quantize_row|dequantize_row|^mul_mat"),
     ("python", r"python|_core\.cpython|_multiarray|_kv_core", r"^_?Py"),
@@ -86,6 +88,12 @@ def report(data: Path) -> list[tuple[float, str, str]]:
     return rows
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     import bench_compressed as bc
     from synthetic_llama import SHAPES, write_synthetic
@@ -126,29 +134,32 @@ def main() -> None:
         stderr=subprocess.DEVNULL,
     )
     time.sleep(1.0)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
     for _ in range(args.runs):
         run(prompt, args.new_tokens)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     perf.send_signal(2)
     perf.wait()
     loaded.close()
     rows = report(data)
     total = sum(r[0] for r in rows) or 1.0
-    per_token_ms = seconds / (args.runs * args.new_tokens) * 1e3
+    tokens = args.runs * args.new_tokens
+    per_token_ms, cpu_ms = seconds / tokens * 1e3, cpu / tokens * 1e3
     shares = collections.Counter()
     for pct, dso, sym in rows:
         shares[bucket(dso, sym)] += pct / total
-    print(f"{args.variant} ({how}) at {args.shape}: {per_token_ms:.2f} ms a token "
-          f"(prompt 32 included, {args.runs} x {args.new_tokens} tokens)")  # fmt: skip
+    print(f"{args.variant} ({how}) at {args.shape}: {per_token_ms:.2f} ms a token, "
+          f"{cpu_ms:.2f} CPU-ms a token on all cores (prompt 32 included, {args.runs} x "
+          f"{args.new_tokens} tokens)")  # fmt: skip
     for name, share in shares.most_common():
-        print(f"  {name:<14} {100 * share:5.1f}%  {share * per_token_ms:6.2f} ms a token")
+        print(f"  {name:<14} {100 * share:5.1f}%  {share * cpu_ms:6.2f} CPU-ms a token")
     print("  top symbols:")
     for pct, dso, sym in sorted(rows, reverse=True)[:15]:
         print(f"    {100 * pct / total:5.1f}%  {dso[:28]:<28} {sym[:90]}")
     if args.out:
         result = {"variant": args.variant, "served": how, "shape": args.shape,
-                  "per_token_ms": per_token_ms, "shares": dict(shares),
+                  "per_token_ms": per_token_ms, "cpu_ms_per_token": cpu_ms,
+                  "shares": dict(shares),
                   "top": sorted(rows, reverse=True)[:40]}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
