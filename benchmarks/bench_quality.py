@@ -1,8 +1,10 @@
 """Quality by function: held-out perplexity, top-1 agreement and KL of compressed demo models.
 
-On the embedded demo model (a trained float32 6-layer Llama), at each budget (stored over
-dense parameters of the projections) this compresses the model several ways and judges every
-result on the same held-out text in one run (attnquant-core's numpy forward):
+On the embedded demo model (a trained float32 6-layer Llama), or any model with the demo's
+tokenizer (``--model PATH``: the demo's shipped calibration and held-out samples apply to it),
+at each budget (stored over dense parameters of the projections) this compresses the model
+several ways and judges every result on the same held-out text in one run (attnquant-core's
+numpy forward):
 
 * ``svd_weight_global`` — (a) per-layer truncated SVD of the weights, ranks allocated
   globally by weight error per parameter (``decompose_budget(forms=["lowrank"])``);
@@ -11,12 +13,19 @@ result on the same held-out text in one run (attnquant-core's numpy forward):
   matrix at the same parameter ratio (numpy, here);
 * ``svd_whitened_global`` — whitened per-layer SVD with ranks allocated globally by the
   whitened spectra (``decompose_budget(forms=["lowrank"], calibration=...)``);
+* ``svd_whitened_sensitivity`` — the same, ranks allocated by each projection's whitened
+  error weighed by its measured KL sensitivity (``allocation="sensitivity"``: the weights
+  ``attnquant calibrate --sensitivity`` measures on the calibration windows, never the
+  held-out ones);
 * ``attnquant_auto`` — ``attnquant decompose --budget``: the auto form, weight error;
 * ``attnquant_auto_calibrated`` — (c) ``attnquant decompose --budget --calibration``: the
   auto form fitted for the output error.
+* ``attnquant_auto_sensitivity`` — (c) with ``--allocation sensitivity``.
 * ``attnquant_auto_sequential`` — (c) with ``--calibration-data --sequential``
   (``decompose_calibrated``): the same allocation (dense-input whitened spectra, from the
   same calibration windows), then each layer fit against the compressed model's own inputs.
+* ``attnquant_auto_sequential_sensitivity`` — the same with ``--allocation sensitivity``
+  (the sensitivities measured in the pass, on the same calibration windows).
 
 Beside them, ``attnquant verify``'s native-equivalence criteria (max |delta log p| < 1 of the
 base's 32 greedy tokens after each verify prompt, greedy agreement >= 90%) computed in the
@@ -50,10 +59,12 @@ from attnquant_core.calib import (
     calibrate,
     decompose_calibrated,
     evaluate,
+    measure_sensitivity,
     open_source,
     peak_rss_bytes,
     read_stats,
     read_texts,
+    sensitivity_path,
     token_stream,
     token_windows,
     whitening,
@@ -108,12 +119,19 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def verify_base(config: dict, state: dict) -> list[tuple[list[int], list[int], np.ndarray]]:
+def tokenizer_dir(model: Path) -> Path:
+    """The model's own ``tokenizer.json``, else the demo's (a model trained on its tokenizer)."""
+    return model if (model / "tokenizer.json").is_file() else DEMO
+
+
+def verify_base(
+    config: dict, state: dict, model: Path = DEMO
+) -> list[tuple[list[int], list[int], np.ndarray]]:
     """Per verify prompt: its ids, the base's greedy continuation and its log-probabilities
     (teacher-forced), as ``attnquant verify`` computes them, in the numpy float32 forward."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tokenizer_dir(model) / "tokenizer.json"))
     out = []
     for prompt in VERIFY_PROMPTS:
         ids = tok.encode(prompt).ids
@@ -151,6 +169,12 @@ def source_of(name: str, config: dict, state: dict[str, np.ndarray]) -> ModelSou
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEMO,
+        help="a dense Llama checkpoint with the demo's tokenizer (default: the demo)",
+    )
     parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     parser.add_argument(
@@ -171,24 +195,26 @@ def main() -> None:
     parser.add_argument(
         "--skip-sequential",
         action="store_true",
-        help="leave out decompose --calibration-data --sequential (the slowest row)",
+        help="leave out decompose --calibration-data --sequential (the slowest rows)",
     )
     args, unknown = parser.parse_known_args()
     if unknown:
         print(f"note: ignoring options of other benchmarks: {unknown}")
     started = time.perf_counter()
-    config = json.loads((DEMO / "config.json").read_text())
-    state = safetensors.numpy.load_file(str(DEMO / "model.safetensors"))
+    model = args.model
+    tok = tokenizer_dir(model)
+    config = json.loads((model / "config.json").read_text())
+    state = safetensors.numpy.load_file(str(model / "model.safetensors"))
     keys = projection_keys(config)
     shapes = {k: tuple(state[k].shape) for k in keys}
 
     # Calibration statistics, through the same code as `attnquant calibrate demo`.
-    base = open_source(DEMO)
+    base = open_source(model)
     calib_windows = token_windows(
-        token_stream(DEMO, read_texts([CALIBRATION]), config), seq_len=args.seq_len, samples=128
+        token_stream(tok, read_texts([CALIBRATION]), config), seq_len=args.seq_len, samples=128
     )
     heldout = token_windows(
-        token_stream(DEMO, read_texts([HELDOUT]), config),
+        token_stream(tok, read_texts([HELDOUT]), config),
         seq_len=args.seq_len,
         samples=args.heldout_windows,
         seed=None,
@@ -196,7 +222,7 @@ def main() -> None:
     scratch = tempfile.TemporaryDirectory(prefix="bench_quality-")  # removed at exit
     tmp = Path(scratch.name)
     t0 = time.perf_counter()
-    report = calibrate(base, calib_windows, tmp / "demo.stats.safetensors")
+    report = calibrate(base, calib_windows, tmp / f"{model.name}.stats.safetensors")
     calib_s = time.perf_counter() - t0
     stats = read_stats(report.path)
     whites = {
@@ -218,26 +244,43 @@ def main() -> None:
     methods: dict[str, Callable[[float], tuple[dict, int]]] = {
         "svd_whitened_uniform": lambda b: compress(state, uniform_ranks(shapes, b), fit_whitened),
     }
-    # Through core, written as theta checkpoints: (method, forms, calibrated).
+    # Through core, written as theta checkpoints: (method, forms, calibrated, allocation).
     core_methods = [
-        ("svd_weight_global", ["lowrank"], False),
-        ("svd_whitened_global", ["lowrank"], True),
+        ("svd_weight_global", ["lowrank"], False, None),
+        ("svd_whitened_global", ["lowrank"], True, None),
+        ("svd_whitened_sensitivity", ["lowrank"], True, "sensitivity"),
     ]
     if not args.skip_auto:
         core_methods += [
-            ("attnquant_auto", None, False),
-            ("attnquant_auto_calibrated", None, True),
+            ("attnquant_auto", None, False, None),
+            ("attnquant_auto_calibrated", None, True, None),
+            ("attnquant_auto_sensitivity", None, True, "sensitivity"),
         ]
     wanted = set(args.methods) if args.methods else None
     if wanted is not None:
         methods = {k: v for k, v in methods.items() if k in wanted}
         core_methods = [m for m in core_methods if m[0] in wanted]
-    run_sequential = not args.skip_auto and not args.skip_sequential
-    run_sequential &= wanted is None or "attnquant_auto_sequential" in wanted
+    # Each projection's KL sensitivity (the sensitivity allocation), on the calibration windows,
+    # beside the statistics as `attnquant calibrate --sensitivity` writes it.
+    sensitivity, sensitivity_s = None, 0.0
+    if any(m[3] == "sensitivity" for m in core_methods):
+        t0 = time.perf_counter()
+        sensitivity = measure_sensitivity(base, calib_windows, stats)
+        sensitivity.write(sensitivity_path(report.path))
+        sensitivity_s = time.perf_counter() - t0
+        print(f"sensitivity: {sensitivity.tokens} tokens in {sensitivity_s:.1f} s", flush=True)
+    sequential_rows = [  # (method, allocation): decompose --calibration-data, sequential
+        ("attnquant_auto_sequential", None),
+        ("attnquant_auto_sequential_sensitivity", "sensitivity"),
+    ]
+    if args.skip_auto or args.skip_sequential:
+        sequential_rows = []
+    sequential_rows = [r for r in sequential_rows if wanted is None or r[0] in wanted]
     dense_params = sum(o * i for o, i in shapes.values())
     rows = []
-    sequential_s: dict[float, float] = {}
-    parity_base = verify_base(config, state)
+    sequential_s: dict[str, dict[float, float]] = {}
+    ranks: dict[tuple[float, str], dict[str, list[int]]] = {}  # per family, per layer
+    parity_base = verify_base(config, state, model)
     for budget in args.budgets:
         sources, meta = [base], []
         for name, make in methods.items():
@@ -246,31 +289,40 @@ def main() -> None:
             meta.append(
                 (name, stored / dense_params, verify_numpy(config, compressed, parity_base))
             )
-        for name, forms, calibrated in core_methods:
+        for name, forms, calibrated, allocation in core_methods:
             out = tmp / f"{name}-{budget}"
             fitted = decompose_budget(
-                DEMO,
+                model,
                 out,
                 budget=budget,
                 **({} if forms is None else {"forms": forms}),
                 calibration=report.path if calibrated else None,
+                allocation=allocation,
             )
             sources.append(open_source(out))
             rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
             parity = verify_numpy(config, rebuilt, parity_base)
             meta.append((name, fitted.stored / fitted.dense, parity))
-        if run_sequential:
-            out = tmp / f"attnquant_auto_sequential-{budget}"
+            ranks[(budget, name)] = {n: list(c.ranks) for n, c in fitted.families.items()}
+        for name, allocation in sequential_rows:
+            out = tmp / f"{name}-{budget}"
             t0 = time.perf_counter()
             manifest = decompose_calibrated(
-                base, calib_windows, out, budget=budget, sequential=True, damping=args.damping
+                base,
+                calib_windows,
+                out,
+                budget=budget,
+                sequential=True,
+                damping=args.damping,
+                allocation=allocation,
             )
-            sequential_s[budget] = round(time.perf_counter() - t0, 1)
+            sequential_s.setdefault(name, {})[budget] = round(time.perf_counter() - t0, 1)
             sources.append(open_source(out))
             rebuilt = dict(ThetaCheckpoint.open(out).rebuilt_state())
             parity = verify_numpy(config, rebuilt, parity_base)
             achieved = manifest["budget"]["stored_over_dense"]
-            meta.append(("attnquant_auto_sequential", achieved, parity))
+            meta.append((name, achieved, parity))
+            ranks[(budget, name)] = {n: f["ranks"] for n, f in manifest["families"].items()}
         t0 = time.perf_counter()
         results = evaluate(sources, heldout)
         eval_s = time.perf_counter() - t0
@@ -286,10 +338,11 @@ def main() -> None:
                     "top1_agreement": r.top1,
                     "kl": r.kl,
                     "verify_numpy": parity,
+                    **({"ranks": ranks[(budget, name)]} if (budget, name) in ranks else {}),
                 }
             )
             print(
-                f"budget {budget:.2f} {name:<25} ppl {r.perplexity:8.3f} "
+                f"budget {budget:.2f} {name:<37} ppl {r.perplexity:8.3f} "
                 f"(x{r.perplexity / dense.perplexity:.4f})  top-1 {100 * r.top1:6.2f}%  "
                 f"KL {r.kl:.4f}  verify max|dlogp| {parity['max_abs_logprob_delta']:.2f} "
                 f"agree {100 * parity['agreement']:.0f}% "
@@ -303,7 +356,7 @@ def main() -> None:
             passing[row["method"]] = min(passing.get(row["method"], 1.0), row["budget"])
     print(f"smallest budget passing verify's criteria (numpy float32): {passing}")
     result = {
-        "model": "demo",
+        "model": "demo" if model.resolve() == DEMO.resolve() else str(model),
         "smallest_budget_passing_verify_numpy": passing,
         "forward": "numpy float32",
         "calibration": {
@@ -311,6 +364,8 @@ def main() -> None:
             "tokens": report.tokens,
             "damping": args.damping,
             "seconds": round(calib_s, 1),
+            "sensitivity_tokens": None if sensitivity is None else sensitivity.tokens,
+            "sensitivity_seconds": round(sensitivity_s, 1),
         },
         "heldout": {
             "data": str(HELDOUT.relative_to(ROOT)),

@@ -20,10 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from attnquant_core.calib import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQ_LEN,
+    SENSITIVITY_SAMPLES,
     CalibrationError,
     ModelSource,
+    measure_sensitivity,
     open_source,
     read_texts,
+    sensitivity_path,
     stats_digest,
     token_stream,
     token_windows,
@@ -142,6 +145,16 @@ def calibrate(
         bool, typer.Option("--float64", help="Store the grams in float64 (default float32).")
     ] = False,
     batch: Annotated[int, typer.Option(min=1, help="Sequences per forward batch.")] = 8,
+    sensitivity: Annotated[
+        bool,
+        typer.Option(
+            "--sensitivity",
+            help="Also measure what each projection's output error costs the model (KL per "
+            f"unit of squared output error, on the first {SENSITIVITY_SAMPLES} sequences; about "
+            "3.5 forwards per layer) into OUTPUT.sensitivity.json, for `decompose --budget "
+            "--allocation sensitivity`.",
+        ),
+    ] = False,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the figures as one JSON object on stdout.")
     ] = False,
@@ -166,6 +179,18 @@ def calibrate(
             batch=batch,
             progress=lambda done, total: progress.update(task, completed=done),
         )
+    sens_path = None
+    if sensitivity:
+        sens_path = sensitivity_path(output)
+        with layer_progress() as progress:
+            task = progress.add_task("measuring sensitivity", total=7 * source.num_layers)
+            measure_sensitivity(
+                source,
+                windows,
+                output,
+                batch=batch,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            ).write(sens_path)
     wall = time.perf_counter() - started
     figures = {
         "output": str(output),
@@ -179,11 +204,13 @@ def calibrate(
         "wall_s": round(wall, 2),
         "peak_rss_bytes": report.peak_rss_bytes,
         "forward": "numpy",
+        **({} if sens_path is None else {"sensitivity": str(sens_path)}),
     }
     console.print(
         f"wrote {output}: {report.grams} grams from {report.tokens} tokens "
         f"({report.sequences} x {report.seq_len}) in {wall:.1f} s, peak RSS "
-        f"{report.peak_rss_bytes / 2**20:.0f} MiB (numpy forward)",
+        f"{report.peak_rss_bytes / 2**20:.0f} MiB (numpy forward)"
+        + ("" if sens_path is None else f"; sensitivities in {sens_path}"),
         highlight=False,
         soft_wrap=True,
     )

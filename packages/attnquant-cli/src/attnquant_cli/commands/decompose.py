@@ -14,6 +14,8 @@ from rich.table import Table
 
 from attnquant_core import DecomposeSpec, decompose_checkpoint
 from attnquant_core.fit import (
+    ALLOCATIONS,
+    DEFAULT_ALLOCATION,
     DEFAULT_BLOCKS,
     DEFAULT_QUANT_BLOCKS,
     DEFAULT_RANK,
@@ -119,6 +121,17 @@ def decompose(
             "band's inputs) or 'nearest' (round to nearest, as without statistics)."
         ),
     ] = DEFAULT_ROUNDING,
+    allocation: Annotated[
+        str | None,
+        typer.Option(
+            help="With --budget and calibration: how the budget is split between the "
+            "projections: 'global' (by whitened error drop per parameter) or 'sensitivity' "
+            "(each projection's output error weighed by the KL it costs the model, measured on "
+            "calibration text: by `attnquant calibrate --sensitivity` beside --calibration "
+            f"STATS, or in the pass of --calibration-data). [default: {DEFAULT_ALLOCATION}; "
+            f"one of {', '.join(ALLOCATIONS)}]"
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
     json_summary: JsonFlag = False,
 ) -> None:
@@ -136,6 +149,7 @@ def decompose(
         sequential=sequential,
         quant=quant,
         rounding=rounding,
+        allocation=allocation,
         spelling="cli",
     )
     if output.exists() and not overwrite:
@@ -230,5 +244,7 @@ def _fit_budget(
         )
     quant = spec.quant
     what = "auto form" if quant is None else f"auto form, bytes, W0 {quant} allowed"
+    if spec.allocation is not None:
+        what += f", {spec.allocation} allocation"
     table = budget_table(report, title=f"{output}  (budget {spec.budget:g}, {what})")
     (console if quiet else out).print_table(table)

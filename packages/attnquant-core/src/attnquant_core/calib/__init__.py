@@ -14,6 +14,9 @@
 * Making statistics: :func:`read_texts`, :func:`token_stream` and :func:`token_windows` turn
   text into token windows; :func:`calibrate` runs them through a checkpoint
   (:func:`open_source`, dense or theta) layer by layer in numpy and writes the grams.
+* Sensitivity: :func:`measure_sensitivity` measures what a unit of each projection's squared
+  output error costs in KL, for ``decompose --budget --allocation sensitivity``; the weights
+  live beside the statistics file (:func:`sensitivity_path`, :func:`read_sensitivity`).
 * Judging by function: :func:`evaluate` gives perplexity, top-1 agreement and KL against a
   base model on held-out windows.
 """
@@ -45,7 +48,14 @@ from ..io._calibration import (
     stats_digest,
     write_stats,
 )
-from ._data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, read_texts, token_stream, token_windows
+from ._data import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQ_LEN,
+    read_texts,
+    token_stream,
+    token_windows,
+    windows_digest,
+)
 from ._evaluate import EvalResult, EvalTally, evaluate
 from ._forward import (
     CalibrationReport,
@@ -56,7 +66,17 @@ from ._forward import (
     output_head,
     peak_rss_bytes,
 )
-from ._sequential import SEQUENTIAL_STAGES, decompose_calibrated, windows_digest
+from ._sensitivity import (
+    PROBE_RATIO,
+    SENSITIVITY_SAMPLES,
+    SENSITIVITY_SUFFIX,
+    Sensitivity,
+    measure_sensitivity,
+    read_sensitivity,
+    sensitivity_path,
+    with_sensitivity,
+)
+from ._sequential import SEQUENTIAL_STAGES, decompose_calibrated
 
 __all__ = [
     # the statistics file
@@ -99,6 +119,15 @@ __all__ = [
     "read_texts",
     "token_stream",
     "token_windows",
+    # what each projection's output error costs: the sensitivity allocation
+    "PROBE_RATIO",
+    "SENSITIVITY_SAMPLES",
+    "SENSITIVITY_SUFFIX",
+    "Sensitivity",
+    "measure_sensitivity",
+    "read_sensitivity",
+    "sensitivity_path",
+    "with_sensitivity",
     # judging by function
     "EvalResult",
     "EvalTally",

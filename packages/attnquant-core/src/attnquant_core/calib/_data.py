@@ -10,6 +10,7 @@ as the demo model was trained. Windows of ``seq_len`` tokens are then cut from t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -145,3 +146,11 @@ def token_windows(
         return windows[:samples]
     chosen = np.sort(np.random.default_rng(seed).choice(whole, size=samples, replace=False))
     return windows[chosen]
+
+
+def windows_digest(windows: np.ndarray) -> str:
+    """``sha256:<hex>`` of the token windows (shape and little-endian int64 ids)."""
+    w = np.ascontiguousarray(np.asarray(windows, dtype="<i8"))
+    digest = hashlib.sha256(repr(tuple(w.shape)).encode())
+    digest.update(w.tobytes())
+    return f"sha256:{digest.hexdigest()}"

@@ -28,7 +28,7 @@ Memory: one layer's dense weights and its compressed rebuild, the two hidden-sta
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -68,8 +68,10 @@ from ..io._manifest import (
 )
 from ..io._safetensors import PlannedWriter
 from ..io._theta_write import copied_specs, family_specs, plain_specs, source_digest, write_copied
+from ._data import windows_digest
 from ._forward import LAYER_PROJECTIONS, ModelSource, _batches, _embedded, _layer_weights
 from ._forward import calibrate as run_calibration
+from ._sensitivity import with_sensitivity
 
 __all__ = ["SEQUENTIAL_STAGES", "decompose_calibrated", "windows_digest"]
 
@@ -95,14 +97,6 @@ ALLOCATION = "forms and ranks from the dense-input whitened spectra (one calibra
 
 class _StopLayerError(Exception):
     """Raised by a capture to end a layer's forward once the wanted input has been seen."""
-
-
-def windows_digest(windows: np.ndarray) -> str:
-    """``sha256:<hex>`` of the token windows (shape and little-endian int64 ids)."""
-    w = np.ascontiguousarray(np.asarray(windows, dtype="<i8"))
-    digest = hashlib.sha256(repr(tuple(w.shape)).encode())
-    digest.update(w.tobytes())
-    return f"sha256:{digest.hexdigest()}"
 
 
 class _Plan:
@@ -257,22 +251,24 @@ def decompose_calibrated(
     data: Sequence[str] = (),
     progress: Callable[[str, int, int], None] | None = None,
     overwrite: bool = False,
+    allocation: str | None = None,
     spec: DecomposeSpec | None = None,
 ) -> dict:
     """Calibrate ``source`` (a dense checkpoint the numpy forward runs) on ``windows`` ``[n, T]``
     and decompose it to ``out``, sequentially or not (see the module docstring).
 
-    ``budget`` or ``blocks``/``rank`` as for :func:`attnquant_core.decompose_checkpoint`,
-    ``sequential=None`` sequential; or all of them as one ``spec`` (its ``quant`` and
-    ``calibration`` refused). ``data`` names the text the windows came from (recorded).
-    ``progress(stage, done, total)`` is called per layer of each pass (``"calibrating"``,
-    ``"sequential fit"``). Returns the manifest; its ``"calibration"`` says whether the fit was
+    ``budget`` or ``blocks``/``rank`` as for :func:`attnquant_core.decompose_checkpoint`
+    (``allocation="sensitivity"``: measured on ``windows``), ``sequential=None`` sequential;
+    or all of them as one ``spec`` (its ``quant`` and ``calibration`` refused). ``data`` names
+    the text the windows came from (recorded). ``progress(stage, done, total)`` is called per
+    layer of each pass (``"calibrating"``, ``"sequential fit"``; ``"measuring sensitivity"``
+    per projection). Returns the manifest; its ``"calibration"`` says whether the fit was
     sequential, the windows' digest and token count. Nothing is left at ``out`` if anything
     fails.
     """
     if spec is not None and sequential is not None:
         raise DecompositionError("pass spec= or sequential=, not both")
-    spec = spec_from(spec, budget=budget, blocks=blocks, rank=rank)
+    spec = spec_from(spec, budget=budget, blocks=blocks, rank=rank, allocation=allocation)
     if spec.quant is not None or spec.calibration is not None:
         raise CalibrationError("decompose_calibrated: quant= and calibration= are not supported")
     budget = spec.budget
@@ -302,12 +298,14 @@ def decompose_calibrated(
                 progress=None if progress is None else lambda d, t: progress("calibrating", d, t),
             )
             cal = Calibration(stats=read_stats(stats_path), damping=damping)
+            if budget is not None and spec.effective_allocation == "sensitivity":
+                cal = with_sensitivity(source, windows, cal, batch, progress, record)
         if not sequential:
             assert cal is not None
             rec = dict(record, path="calibration data, in the same pass")
             fit = DecomposeSpec(  # the fit's options, on the statistics made in this pass
                 blocks=spec.blocks, rank=spec.rank, budget=budget, forms=spec.forms,
-                calibration=Calibration(stats=cal.stats, damping=damping, data=rec),
+                calibration=dataclasses.replace(cal, data=rec), allocation=spec.allocation,
             )  # fmt: skip
             return decompose_checkpoint(
                 ckpt, out, spec=fit, dtype=dtype, svd=svd, overwrite=overwrite
@@ -360,7 +358,7 @@ def _sequential(
                 form=ch.form, blocks=ch.blocks, side=ch.side, ranks=ch.ranks, choice=ch
             )
             whitened_reads[s.name] = s.whitened_get
-        record["allocation"] = ALLOCATION
+        record["allocation"] = f"{ALLOCATION}, {spec.effective_allocation}"
         record["stats_digest"] = cal.stats.digest
     else:
         G = resolve_blocks(spec.effective_blocks, L)
@@ -471,6 +469,7 @@ def _sequential(
         if report is not None:
             summary = _with_choices(report, choices).to_json()
             summary.pop("families")
+            summary["allocation"] = spec.effective_allocation
         manifest = theta_manifest(
             num_layers=L,
             stack=ckpt.stack,

@@ -41,6 +41,8 @@ from ._frontier import FrontierPoint, budget_frontier
 from ._gptq import ROUNDINGS, check_rounding, gptq_nvfp4
 from ._output_analysis import OUTPUT_ERROR_DEFINITION, coverage_record
 from ._spec import (
+    ALLOCATIONS,
+    DEFAULT_ALLOCATION,
     DEFAULT_BLOCKS,
     DEFAULT_QUANT_BLOCKS,
     DEFAULT_RANK,
@@ -73,6 +75,8 @@ __all__ = [
     "check_rounding",
     "gptq_nvfp4",
     # one decomposition's options and their defaults, checked once
+    "ALLOCATIONS",
+    "DEFAULT_ALLOCATION",
     "DEFAULT_BLOCKS",
     "DEFAULT_QUANT_BLOCKS",
     "DEFAULT_RANK",

@@ -36,6 +36,7 @@ up to the rounding of storage.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -50,6 +51,7 @@ from ..io._calibration import CalibrationStats
 from ..io._checkpoint import Checkpoint, open_checkpoint
 from ..io._manifest import family_entry, theta_manifest, write_manifest
 from ..io._safetensors import PlannedWriter, TensorSpec
+from ..io._sensitivity import read_sensitivity, sensitivity_path
 from ..io._theta_write import copied_specs, family_specs, plain_specs, write_copied
 from ._align_transforms import aligned_record
 from ._allocate import BudgetReport, FamilyChoice, allocate, check_budget
@@ -180,6 +182,7 @@ def decompose_budget(
     calibration: str | Path | CalibrationStats | Calibration | None = None,
     quant: str | None = None,
     rounding: str = DEFAULT_ROUNDING,
+    allocation: str | None = None,
     spec: DecomposeSpec | None = None,
 ) -> BudgetReport:
     """Decompose a checkpoint at a global ``budget`` into a theta checkpoint (format v2) at ``out``.
@@ -205,15 +208,35 @@ def decompose_budget(
     :func:`attnquant_core.decompose_checkpoint` (GPTQ for a quantized ``W0`` whose band the
     statistics cover, both in its spectra and in its fit).
 
-    ``spec``: ``budget=``, ``forms=``, ``calibration=``, ``quant=`` and ``rounding=`` as one
-    :class:`~attnquant_core.DecomposeSpec` (validated when made), instead of those keywords.
+    ``allocation`` (with ``calibration``): ``"global"`` (the default) splits the budget by
+    whitened error drop per parameter, each layer's whitened spectrum scaled to its weight's
+    energy; ``"sensitivity"`` weighs each projection's squared output error by the KL it costs
+    the model (:mod:`attnquant_core.calib._sensitivity`), read from beside the statistics file
+    (``attnquant calibrate --sensitivity``), or given as a ``Calibration`` whose
+    ``error_weights`` hold them. A calibrated manifest's ``"budget"`` records it under
+    ``"allocation"``.
+
+    ``spec``: ``budget=``, ``forms=``, ``calibration=``, ``quant=``, ``rounding=`` and
+    ``allocation=`` as one :class:`~attnquant_core.DecomposeSpec` (validated when made),
+    instead of those keywords.
     """
     spec = spec_from(
-        spec, budget=budget, forms=forms, calibration=calibration, quant=quant, rounding=rounding
+        spec,
+        budget=budget,
+        forms=forms,
+        calibration=calibration,
+        quant=quant,
+        rounding=rounding,
+        allocation=allocation,
     )
     budget = check_budget(spec.budget)  # a spec without a budget: refused in one line
     forms, quant, rounding = tuple(spec.forms), spec.quant, spec.rounding
-    cal = as_calibration(spec.calibration)
+    cal = weighted_calibration(as_calibration(spec.calibration), spec.effective_allocation)
+    if cal is None and spec.effective_allocation == "sensitivity":
+        raise DecompositionError(
+            "allocation='sensitivity' weighs each projection's output error by what it costs "
+            "the model: pass calibration= (statistics with their sensitivities measured)"
+        )
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     aligned = None if aligned_from is None else aligned_record(ckpt)
     sources = _checkpoint_sources(ckpt, dtype, cal, rounding)
@@ -314,6 +337,8 @@ def decompose_budget(
         report = _with_choices(report, choices)
         summary = report.to_json()
         summary.pop("families")
+        if cal is not None:  # how the whitened errors were weighed (none without statistics)
+            summary["allocation"] = spec.effective_allocation
         manifest = theta_manifest(
             num_layers=ckpt.num_layers,
             stack=ckpt.stack,
@@ -326,6 +351,22 @@ def decompose_budget(
         )
         write_manifest(tmp, manifest)
     return _with_choices(report, choices, manifest=manifest)
+
+
+def weighted_calibration(cal: Calibration | None, allocation: str) -> Calibration | None:
+    """``cal`` as ``allocation`` weighs it: without ``error_weights`` for ``"global"``; with the
+    sensitivities for ``"sensitivity"`` (``cal``'s own, else those beside its statistics file,
+    recorded in its ``data``)."""
+    if cal is None:
+        return None
+    if allocation != "sensitivity":
+        return cal if cal.error_weights is None else dataclasses.replace(cal, error_weights=None)
+    if cal.error_weights is not None:
+        return cal
+    path = sensitivity_path(cal.stats.path)
+    sens = read_sensitivity(path, stats_digest=cal.stats.digest)
+    data = {**(cal.data or {}), "sensitivity": sens.record(path)}
+    return dataclasses.replace(cal, data=data, error_weights=sens.weights)
 
 
 def _gptq_record(

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from ._whitened import Calibration
 
 __all__ = [
+    "ALLOCATIONS",
+    "DEFAULT_ALLOCATION",
     "DEFAULT_BLOCKS",
     "DEFAULT_QUANT_BLOCKS",
     "DEFAULT_RANK",
@@ -61,6 +63,12 @@ DEFAULT_SAMPLES = 128
 DEFAULT_SEQ_LEN = 512
 #: With ``calibration_data``: fit each layer against the compressed model's own inputs.
 DEFAULT_SEQUENTIAL = True
+#: How a budget's ranks are split between projections: ``global`` by whitened error drop per
+#: parameter (each layer's whitened spectrum scaled to its weight's energy), ``sensitivity``
+#: by the KL each projection's output error costs, measured on calibration windows
+#: (:mod:`attnquant_core.calib._sensitivity`).
+ALLOCATIONS = ("global", "sensitivity")
+DEFAULT_ALLOCATION = "global"
 
 Spelling = Literal["python", "cli"]
 
@@ -97,6 +105,9 @@ class DecomposeSpec:
     unless ``sequential`` is false (the caller tokenises it,
     :func:`~attnquant_core.calib.decompose_calibrated`). ``quant``: each band's ``W0`` in 4 bits;
     ``rounding``: how (``"gptq"`` where statistics cover the band, or ``"nearest"``).
+    ``allocation``: how a budget is split between projections (:data:`ALLOCATIONS`, default
+    :data:`DEFAULT_ALLOCATION`); ``"sensitivity"`` needs ``calibration`` (with the sensitivities
+    measured beside it) or calibration windows (measured in the same pass).
 
     ``spelling`` only says how errors name the options: ``"python"`` (``budget=``) or ``"cli"``
     (``--budget``, whose text the spec then also parses). Values are normalised: ``blocks`` to
@@ -115,6 +126,7 @@ class DecomposeSpec:
     sequential: bool | None = None
     quant: str | None = None
     rounding: str = DEFAULT_ROUNDING
+    allocation: str | None = None
     spelling: Spelling = field(default="python", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +137,7 @@ class DecomposeSpec:
         self._set("calibration_data", data)
         self._check_quant(cli)
         self._check_calibration(cli, data)
+        self._check_allocation(cli, data)
         if self.budget is not None:
             if self.blocks is not None or self.rank is not None:
                 raise DecompositionError(
@@ -214,6 +227,33 @@ class DecomposeSpec:
                 + ": the statistics are of the original layers, not the aligned ones; drop one "
                 "of them"
             )
+
+    def _check_allocation(self, cli: bool, data: tuple[Path, ...]) -> None:
+        """A known allocation, given with a budget; ``sensitivity`` with calibration."""
+        if self.allocation is None:
+            return
+        flag = "--allocation" if cli else "allocation="
+        if self.allocation not in ALLOCATIONS:
+            raise DecompositionError(
+                f"{flag} {self.allocation!r}: choose one of {', '.join(ALLOCATIONS)}"
+            )
+        if self.budget is None:
+            raise DecompositionError(
+                f"{flag} splits a budget between the projections; give "
+                + ("--budget" if cli else "budget=")
+            )
+        # In Python, decompose_calibrated brings its own windows: decompose_budget checks.
+        if cli and self.allocation == "sensitivity" and self.calibration is None and not data:
+            raise DecompositionError(
+                "--allocation sensitivity weighs each projection by what its error costs on "
+                "calibration text: give --calibration STATS (after `attnquant calibrate "
+                "--sensitivity`) or --calibration-data PATH"
+            )
+
+    @property
+    def effective_allocation(self) -> str:
+        """How the budget is split: ``allocation``, else :data:`DEFAULT_ALLOCATION`."""
+        return DEFAULT_ALLOCATION if self.allocation is None else self.allocation
 
     @property
     def effective_blocks(self) -> int | str:

@@ -54,12 +54,17 @@ class Whitening:
     ``factor`` is lower triangular (Cholesky) when ``eigen`` is None; otherwise
     ``factor = Q diag(eigen)`` with ``Q`` (``basis``) orthogonal and ``eigen >= 0``; a zero
     ``eigen`` (no damping, a direction no token excited) is inverted as zero (pseudo-inverse).
+
+    ``error_weight``: what a unit of this projection's squared output error weighs in a budget's
+    allocation (:func:`~attnquant_core.fit._whitened.scaled_whitening`; None: its weight's
+    energy over its output energy, the ``global`` allocation).
     """
 
     factor: np.ndarray
     delta: float
     eigen: np.ndarray | None = None
     basis: np.ndarray | None = None
+    error_weight: float | None = None
 
     @property
     def width(self) -> int:

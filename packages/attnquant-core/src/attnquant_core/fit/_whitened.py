@@ -19,6 +19,8 @@ is spent where the inputs make it count.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import shutil
 import tempfile
 import weakref
@@ -31,7 +33,7 @@ import numpy as np
 
 from ..forms._banded import LayerTheta
 from ..forms._identity import compute_dtype
-from ..io._calibration import CalibrationStats, gram_key, read_stats
+from ..io._calibration import CalibrationError, CalibrationStats, gram_key, read_stats
 from ._decompose import DEFAULT_SVD, LayerFit, SVDOptions
 from ._svd import EXACT_MAX_DIM, truncated_svd
 from ._whiten import (
@@ -202,6 +204,9 @@ class Calibration:
     damping: float = DEFAULT_DAMPING
     #: Recorded over the statistics' own fields (e.g. the text a same-pass calibration read).
     data: Mapping[str, object] | None = None
+    #: Per weight key, what a unit of its squared output error weighs in a budget's allocation
+    #: (``alpha`` of :mod:`attnquant_core.calib._sensitivity`); None: the ``global`` allocation.
+    error_weights: Mapping[str, float] | None = None
     store: WhiteningStore = field(
         default_factory=WhiteningStore, init=False, repr=False, compare=False
     )
@@ -219,9 +224,17 @@ class Calibration:
             assert got is not None
             return got
 
-        return self.store.get(
+        white = self.store.get(
             gkey, read, damping=self.damping, where=f"{self.stats.path}: {gkey!r}"
         )
+        if self.error_weights is None:
+            return white
+        if key not in self.error_weights:
+            raise CalibrationError(
+                f"{self.stats.path}: no sensitivity for {key!r}; measure them with these "
+                f"statistics (`attnquant calibrate --sensitivity`)"
+            )
+        return dataclasses.replace(white, error_weight=float(self.error_weights[key]))
 
     def getter(self, keys: Sequence[str], in_features: int) -> Callable[[int], Whitening | None]:
         """``layer -> whitening`` for a family whose weight keys are ``keys``."""
@@ -257,11 +270,16 @@ def as_calibration(
 
 
 def scaled_whitening(W: np.ndarray, white: Whitening) -> tuple[np.ndarray, float]:
-    """``(c W S, c)`` with ``c = ||W|| / ||W S||``: the whitened matrix carrying ``W``'s energy."""
+    """``(c W S, c)`` with ``c = ||W|| / ||W S||``: the whitened matrix carrying ``W``'s energy;
+    or ``c = sqrt(white.error_weight)`` where the whitening carries a weight (the
+    ``sensitivity`` allocation: squared output errors weighed by what they cost the model)."""
     M = white.whiten(W)
-    norm_w = float(np.linalg.norm(np.asarray(W, np.float64)))
-    norm_m = float(np.linalg.norm(M))
-    c = norm_w / norm_m if norm_m > 0 else 1.0
+    if white.error_weight is not None:
+        c = math.sqrt(white.error_weight)
+    else:
+        norm_w = float(np.linalg.norm(np.asarray(W, np.float64)))
+        norm_m = float(np.linalg.norm(M))
+        c = norm_w / norm_m if norm_m > 0 else 1.0
     M *= c
     return M, c
 

@@ -1,0 +1,109 @@
+"""attnquant calibrate --sensitivity and decompose --budget --allocation, on a tiny Llama with a
+byte-level tokenizer (the demo's sensitivities take minutes on a busy 2-core machine)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from attnquant_cli import cli
+from attnquant_core import MANIFEST_FILE
+from attnquant_core.calib import read_sensitivity, read_stats, sensitivity_path
+from attnquant_core.testing import llama_config, make_weights, write_byte_tokenizer
+
+LAYERS, VOCAB = 2, 257
+CONFIG = llama_config(LAYERS, vocab_size=VOCAB, eos_token_id=256, max_position_embeddings=64)
+TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x = 0\n    y = 0\n" * 6
+FEW = ["--samples", "4", "--seq-len", "16"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, str]:
+    """A 2-layer Llama (attnquant_core.testing's shapes) with a byte-level tokenizer, and a text."""
+    directory = tmp_path_factory.mktemp("tiny") / "model"
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    state = {
+        k: (v / math.sqrt(v.shape[-1]) if v.ndim == 2 else v)
+        for k, v in make_weights(LAYERS).items()
+    }
+    for layer in range(LAYERS):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"model.layers.{layer}.{norm}.weight"] = np.ones(24, np.float32)
+    state["model.embed_tokens.weight"] = rng.standard_normal((VOCAB, 24)).astype(np.float32)
+    state["lm_head.weight"] = (rng.standard_normal((VOCAB, 24)) / 3).astype(np.float32)
+    safetensors.numpy.save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(CONFIG))
+    write_byte_tokenizer(directory, ["<eos>"], eos_token="<eos>")
+    text = directory.parent / "text.txt"
+    text.write_text(TEXT)
+    return directory, str(text)
+
+
+def _manifest(path: Path) -> dict:
+    return json.loads((path / MANIFEST_FILE).read_text())
+
+
+def test_calibrate_sensitivity_then_decompose_with_it(tmp_path: Path, capsys, tiny) -> None:
+    model, data = tiny
+    stats = tmp_path / "stats.safetensors"
+    rc = cli(["calibrate", str(model), "-o", str(stats), "--data", data, *FEW, "--sensitivity"])
+    assert rc == 0, capsys.readouterr().err
+    assert "sensitivities in" in capsys.readouterr().err
+    sens = read_sensitivity(sensitivity_path(stats), stats_digest=read_stats(stats).digest)
+    assert len(sens.weights) == 7 * LAYERS and sens.tokens == 64
+    out = tmp_path / "theta"
+    argv = ["decompose", str(model), "-o", str(out), "--budget", "0.5", "--calibration", str(stats)]
+    assert cli([*argv, "--allocation", "sensitivity"]) == 0
+    assert "budget 0.5, auto form, sensitivity allocation" in capsys.readouterr().out
+    manifest = _manifest(out)
+    assert manifest["budget"]["allocation"] == "sensitivity"
+    assert manifest["budget"]["stored_over_dense"] <= 0.5
+    assert manifest["calibration"]["sensitivity"]["path"] == str(sensitivity_path(stats))
+    assert cli([*argv[:3], str(tmp_path / "g"), *argv[4:]]) == 0  # the default: global
+    assert _manifest(tmp_path / "g")["budget"]["allocation"] == "global"
+
+
+@pytest.mark.parametrize("sequential", ["--sequential", "--no-sequential"])
+def test_calibration_data_measures_them_in_the_pass(tmp_path: Path, tiny, sequential) -> None:
+    model, data = tiny
+    out = tmp_path / "theta"
+    argv = ["decompose", str(model), "-o", str(out), "--budget", "0.5", "--calibration-data", data]
+    assert cli([*argv, *FEW, sequential, "--allocation", "sensitivity"]) == 0
+    manifest = _manifest(out)
+    assert manifest["budget"]["allocation"] == "sensitivity"
+    assert manifest["calibration"]["sensitivity"]["tokens"] == 64
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "0.5", "--allocation", "kl"], "--allocation 'kl': choose one of global"),
+        (["--rank", "4", "--allocation", "global"], "--allocation splits a budget"),
+        (["--budget", "0.5", "--allocation", "sensitivity"], "give --calibration STATS"),
+    ],
+)
+def test_refusals_write_nothing(tmp_path: Path, capsys, args: list[str], message: str) -> None:
+    out = tmp_path / "theta"
+    assert cli(["decompose", "demo", "-o", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_statistics_without_sensitivities_are_refused(tmp_path: Path, capsys, tiny) -> None:
+    model, data = tiny
+    stats = tmp_path / "stats.safetensors"
+    assert cli(["calibrate", str(model), "-o", str(stats), "--data", data, *FEW]) == 0
+    capsys.readouterr()
+    out = tmp_path / "theta"
+    argv = ["decompose", str(model), "-o", str(out), "--budget", "0.5", "--calibration", str(stats)]
+    assert cli([*argv, "--allocation", "sensitivity"]) == 2
+    err = capsys.readouterr().err
+    assert "--sensitivity" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
