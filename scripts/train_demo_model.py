@@ -24,6 +24,31 @@ the same checkpoint (floating-point reductions can differ across thread
 counts and CPUs). The defaults (1200 steps of 16 x 128 tokens) take about
 10 minutes on an idle 2-core x86 machine (~0.45 s/step), longer when the cores
 are shared.
+
+Other sizes: ``--hidden``, ``--intermediate``, ``--layers``, ``--heads`` and
+``--kv-heads`` (head dim = hidden / heads) default to the demo's; ``--preset``
+sets them (and the step count) together. ``--tokenizer-from DIR`` loads
+``DIR/tokenizer.json`` instead of training one, and copies ``DIR``'s tokenizer
+files into the output, so that a model trained with it scores the very same
+token ids as the model ``DIR`` holds. The corpus selection (training and
+held-out files) does not depend on any of these options.
+
+Presets:
+
+* ``demo``: the defaults above.
+* ``coder-256x8``: hidden 256, MLP 768, 8 layers, 4 heads / 2 KV heads (head
+  dim 64), {COMMAND_STEPS} steps: the repository's second model, deeper and
+  wider than the demo, with every width a multiple of 256 so that llama.cpp's
+  K-quants apply. It must use the demo's tokenizer::
+
+    /tmp/trainenv/bin/python scripts/train_demo_model.py --out models/coder-256x8 \\
+        --preset coder-256x8 \\
+        --tokenizer-from packages/attnquant-cli/src/attnquant_cli/demo_model --threads 2
+
+  {COMMAND_TIME}
+
+Besides the checkpoint and ``MODEL_CARD.md`` the output holds ``training.json``:
+the sizes, the corpus split, the steps and the held-out loss and perplexity.
 """
 
 from __future__ import annotations
@@ -194,6 +219,47 @@ class LlamaArgs:
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+
+
+# --preset NAME: model sizes and step count (explicit options override them).
+PRESETS: dict[str, dict[str, int]] = {
+    "demo": {
+        "hidden": 192,
+        "intermediate": 512,
+        "layers": 6,
+        "heads": 6,
+        "kv_heads": 2,
+        "steps": 1200,
+    },
+    "coder-256x8": {
+        "hidden": 256,
+        "intermediate": 768,
+        "layers": 8,
+        "heads": 4,
+        "kv_heads": 2,
+        "steps": 2500,
+    },
+}
+
+
+def model_args(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int
+) -> LlamaArgs:
+    if hidden % heads:
+        raise SystemExit(f"--hidden {hidden} is not a multiple of --heads {heads}")
+    if heads % kv_heads:
+        raise SystemExit(f"--heads {heads} is not a multiple of --kv-heads {kv_heads}")
+    if (hidden // heads) % 2:
+        raise SystemExit(f"head dim {hidden // heads} must be even (RoPE)")
+    return LlamaArgs(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+    )
 
 
 class RMSNorm(nn.Module):
@@ -390,7 +456,25 @@ def hf_config(a: LlamaArgs, bos: int, eos: int, pad: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="output checkpoint directory")
-    ap.add_argument("--steps", type=int, default=1200, help="optimizer steps")
+    ap.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="model sizes and steps together (explicit size/step options override it)",
+    )
+    ap.add_argument("--hidden", type=int, help="hidden size (demo: 192)")
+    ap.add_argument("--intermediate", type=int, help="MLP intermediate size (demo: 512)")
+    ap.add_argument("--layers", type=int, help="decoder layers (demo: 6)")
+    ap.add_argument(
+        "--heads", type=int, help="attention heads; head dim = hidden / heads (demo: 6)"
+    )
+    ap.add_argument("--kv-heads", type=int, help="key/value heads (demo: 2)")
+    ap.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        metavar="DIR",
+        help="load DIR/tokenizer.json instead of training a tokenizer; copy DIR's tokenizer files",
+    )
+    ap.add_argument("--steps", type=int, help="optimizer steps (demo: 1200)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128, help="training window length (tokens)")
@@ -401,6 +485,10 @@ def main() -> None:
     ap.add_argument("--heldout-bytes", type=int, default=200_000)
     ap.add_argument("--log-every", type=int, default=25)
     args = ap.parse_args()
+    preset = PRESETS[args.preset or "demo"]
+    for name in ("hidden", "intermediate", "layers", "heads", "kv_heads", "steps"):
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -417,10 +505,18 @@ def main() -> None:
         flush=True,
     )
 
-    a = LlamaArgs()
-    tok = train_tokenizer([t for _, t in train_docs], a.vocab_size, a.max_position_embeddings)
-    assert tok.get_vocab_size() == a.vocab_size, tok.get_vocab_size()
+    max_positions = LlamaArgs.max_position_embeddings
+    if args.tokenizer_from is None:
+        tok = train_tokenizer([t for _, t in train_docs], LlamaArgs.vocab_size, max_positions)
+        assert tok.get_vocab_size() == LlamaArgs.vocab_size, tok.get_vocab_size()
+    else:
+        tok = Tokenizer.from_file(str(args.tokenizer_from / "tokenizer.json"))
+        print(f"tokenizer: {args.tokenizer_from / 'tokenizer.json'}", flush=True)
+    a = model_args(
+        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, tok.get_vocab_size()
+    )
     bos_id, eos_id, pad_id = (tok.token_to_id(s) for s in (BOS, EOS, PAD))
+    assert None not in (bos_id, eos_id, pad_id), "tokenizer lacks the special tokens"
     train_stream = encode_docs(tok, train_docs)
     held_stream = encode_docs(tok, held_docs)
     print(
@@ -432,7 +528,12 @@ def main() -> None:
     model = LlamaForCausalLM(a)
     init_weights(model, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params} parameters", flush=True)
+    print(
+        f"model: {n_params} parameters (hidden {a.hidden_size}, MLP {a.intermediate_size}, "
+        f"{a.num_hidden_layers} layers, {a.num_attention_heads}/{a.num_key_value_heads} heads "
+        f"of {a.head_dim}, vocab {a.vocab_size})",
+        flush=True,
+    )
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -498,7 +599,11 @@ def main() -> None:
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     back = load_file(str(tmp / "model.safetensors"))
     assert all(np.array_equal(back[k], state[k]) for k in state), "safetensors round trip failed"
-    tok.save(str(tmp / "tokenizer.json"))
+    if args.tokenizer_from is None:
+        tok.save(str(tmp / "tokenizer.json"))
+    else:
+        # The very same files, byte for byte, so both models tokenize alike.
+        shutil.copyfile(args.tokenizer_from / "tokenizer.json", tmp / "tokenizer.json")
     (tmp / "config.json").write_text(
         json.dumps(hf_config(a, bos_id, eos_id, pad_id), indent=2) + "\n"
     )
@@ -516,7 +621,12 @@ def main() -> None:
         )
         + "\n"
     )
-    write_tokenizer_config(tmp, a.max_position_embeddings)
+    if args.tokenizer_from is not None and (args.tokenizer_from / "tokenizer_config.json").exists():
+        shutil.copyfile(
+            args.tokenizer_from / "tokenizer_config.json", tmp / "tokenizer_config.json"
+        )
+    else:
+        write_tokenizer_config(tmp, a.max_position_embeddings)
     size = (tmp / "model.safetensors").stat().st_size
     total_wall = time.time() - t0
     sample_md = "\n".join(
@@ -528,13 +638,77 @@ def main() -> None:
         for k, v in state.items()
         if ".layers." not in k or ".layers.0." in k
     )
-    (tmp / "MODEL_CARD.md").write_text(f"""# attnquant demo model
-
-A tiny Llama-architecture causal LM trained from scratch by
+    demo_sizes = PRESETS["demo"]
+    is_demo = args.tokenizer_from is None and all(
+        getattr(args, k) == v for k, v in demo_sizes.items() if k != "steps"
+    )
+    if is_demo:
+        title = "attnquant demo model"
+        intro = """A tiny Llama-architecture causal LM trained from scratch by
 `scripts/train_demo_model.py` on Python standard-library source. It exists so
 that `attnquant serve` / `attnquant generate` and the test suite have a real,
 offline, CPU-servable `LlamaForCausalLM` checkpoint. It writes Python-looking
-text and nothing more; it is not useful as a language model.
+text and nothing more; it is not useful as a language model."""
+    else:
+        title = f"attnquant {args.preset or out.name} model"
+        intro = """A small Llama-architecture causal LM trained from scratch by
+`scripts/train_demo_model.py` on Python standard-library source, on the same
+corpus split as the embedded demo model. It writes Python-looking text and
+nothing more; it is not useful as a language model."""
+    if args.tokenizer_from is None:
+        tok_from = "the tokenizer (trained on the\ntraining split)"
+    else:
+        tok_from = f"the tokenizer (`{args.tokenizer_from}/tokenizer.json`,\ncopied unchanged)"
+    flags = [f"--out {out}"]
+    if args.preset not in (None, "demo"):
+        flags.append(f"--preset {args.preset}")
+    for name, default in PRESETS[args.preset or "demo"].items():
+        if getattr(args, name) != default or (name == "steps" and args.preset in (None, "demo")):
+            flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    if args.tokenizer_from is not None:
+        flags.append(f"--tokenizer-from {args.tokenizer_from}")
+    flags.append(f"--threads {args.threads}")
+    command = "/tmp/trainenv/bin/python scripts/train_demo_model.py " + " ".join(flags)
+    held_ppl = math.exp(held_loss)
+    training = {
+        "script": "scripts/train_demo_model.py",
+        "command": command,
+        "preset": args.preset,
+        "config": {k: getattr(a, k) for k in LlamaArgs.__dataclass_fields__},
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        "parameters": n_params,
+        "safetensors_bytes": size,
+        "tokenizer": "trained" if args.tokenizer_from is None else str(args.tokenizer_from),
+        "corpus": {
+            "python": platform.python_version(),
+            "train_files": len(train_docs),
+            "train_bytes": train_bytes,
+            "train_tokens": len(train_stream),
+            "heldout_files": [rel for rel, _ in held_docs],
+            "heldout_bytes": held_bytes,
+            "heldout_tokens": len(held_stream),
+        },
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "threads": args.threads,
+        "final_train_loss": final_train,
+        "heldout_loss": held_loss,
+        "heldout_ppl": held_ppl,
+        "train_wall_s": round(train_wall, 1),
+        "s_per_step": round(train_wall / args.steps, 3),
+        "total_wall_s": round(total_wall, 1),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
+    (tmp / "training.json").write_text(json.dumps(training, indent=2) + "\n")
+    (tmp / "MODEL_CARD.md").write_text(f"""# {title}
+
+{intro}
 
 ## Architecture
 
@@ -572,8 +746,7 @@ files in that order form the held-out set, the next ones the training set.
 | train | {len(train_docs)} | {train_bytes:,} | {len(train_stream):,} |
 | held-out | {len(held_docs)} | {held_bytes:,} | {len(held_stream):,} |
 
-Each file is encoded as `{BOS}` text `{EOS}`; the tokenizer (trained on the
-training split) prepends `{BOS}` on `encode(..., add_special_tokens=True)`.
+Each file is encoded as `{BOS}` text `{EOS}`; {tok_from} prepends `{BOS}` on `encode(..., add_special_tokens=True)`.
 The chat template is completion-style: a system message becomes a module
 docstring, user text is rendered verbatim and the assistant continues it
 (`add_generation_prompt` adds nothing); a finished assistant turn ends with `{EOS}`.
@@ -588,7 +761,7 @@ docstring, user text is rendered verbatim and the assistant continues it
 | learning rate | peak {args.lr:g}, linear warm-up {args.warmup} steps, cosine to 10% |
 | seed / threads | {args.seed} / {args.threads} |
 | final training loss (mean of last {len(recent)} steps) | {final_train:.4f} |
-| held-out loss (ppl) | {held_loss:.4f} ({math.exp(held_loss):.2f}) |
+| held-out loss (ppl) | {held_loss:.4f} ({held_ppl:.2f}) |
 | training wall time | {train_wall:.0f} s ({train_wall / args.steps:.2f} s/step) |
 | total wall time | {total_wall:.0f} s |
 | torch | {torch.__version__}, {platform.machine()} |
@@ -601,7 +774,7 @@ docstring, user text is rendered verbatim and the assistant continues it
 ```
 python3 -m venv /tmp/trainenv
 /tmp/trainenv/bin/pip install torch==2.13.0 tokenizers safetensors numpy
-/tmp/trainenv/bin/python scripts/train_demo_model.py --out {out} --steps {args.steps} --threads {args.threads}
+{command}
 ```
 """)
     # mkdtemp makes a 0700 directory; ship ordinary permissions.
