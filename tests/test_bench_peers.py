@@ -1,7 +1,7 @@
 """``benchmarks/bench_peers.py`` and ``benchmarks/llamacpp.py`` without llama.cpp's binaries.
 
-What the peer table's honesty rests on and can be checked in a second: the float32 GGUF of the
-demo reads back bit for bit into the numpy forward's keys and row order; the calibration text
+What the peer table's honesty rests on and can be checked in a second (the GGUF round trip is
+``test_bench_llamacpp.py``'s): the calibration text
 handed to ``llama-imatrix`` is the token stream attnquant calibrates on; bytes are counted
 from what the checkpoints store.
 """
@@ -14,29 +14,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import safetensors.numpy
 
 gguf = pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_peers  # noqa: E402
-import llamacpp  # noqa: E402
 from bench_quality import CALIBRATION, DEMO  # noqa: E402
 
 from attnquant_core import DecomposeSpec, decompose_checkpoint  # noqa: E402
 from attnquant_core.calib import open_source, read_texts, token_stream  # noqa: E402
-
-
-def test_float32_gguf_of_the_demo_reads_back_exactly(tmp_path: Path) -> None:
-    """``hf_to_gguf`` then ``gguf_state``: every tensor, q/k rows unpermuted, bit for bit;
-    the bytes are float32's."""
-    path = llamacpp.hf_to_gguf(DEMO, tmp_path / "demo.gguf")
-    state, sizes = llamacpp.gguf_state(path)
-    dense = safetensors.numpy.load_file(str(DEMO / "model.safetensors"))
-    assert set(state) == set(dense)
-    for key, W in dense.items():
-        np.testing.assert_array_equal(state[key], W, err_msg=key)
-        assert sizes[key] == W.nbytes
 
 
 def test_imatrix_text_is_the_calibration_stream() -> None:
