@@ -17,7 +17,8 @@ perplexity ratio, top-1 agreement and mean KL(dense || row) of
   ``llama-imatrix`` over the very calibration text attnquant calibrates on (written so that
   llama.cpp tokenizes it into our token stream; checked with ``llama-server``'s
   ``/tokenize``), ``+f32io`` keeping the embedding and head float32
-  (``--token-embedding-type f32 --output-tensor-type f32``), as attnquant does.
+  (``--token-embedding-type f32 --output-tensor-type f32``), as attnquant does, ``+pure``
+  one type for every projection (``--pure``: Q4_K_M without its Q6_K layers, all Q4_K).
 
 Bits per weight come from the bytes actually stored: the GGUF tensors' ``n_bytes``, the theta
 checkpoint's safetensors tensors; over the seven projections alone and over every weight.
@@ -69,6 +70,7 @@ LLAMA_ROWS = (
     "Q4_K_M",
     "Q4_K_M+imatrix",
     "Q4_K_M+imatrix+f32io",
+    "Q4_K_M+imatrix+pure+f32io",
     "IQ4_XS+imatrix",
     "Q3_K_M+imatrix",
 )
@@ -106,10 +108,27 @@ def is_projection(key: str) -> bool:
     return key.startswith("attnquant.") or any(f".{fam}." in key for fam in FAMILIES)
 
 
+_FORMS = {
+    "banded+nvfp4": "NVFP4 W0 and float32 s, U, V",
+    "banded": "float32 banded W0, s, U, V",
+    "lowrank": "float32 low rank U V^T",
+    "shared_basis": "float32 shared basis",
+}
+
+
 def theta_row(name: str, command: str, out: Path, fit_s: float) -> Row:
     sizes = safetensors_sizes(out)
+    manifest = json.loads((out / "attnquant.json").read_text())
     proj = sum(n for k, n in sizes.items() if is_projection(k))
-    what = "projections (NVFP4 W0 + float32 s, U, V); embedding, norms, head float32"
+    forms = {
+        f["form"] + ("+" + f["quant"] if f.get("quant") else "")
+        for f in manifest["families"].values()
+    }
+    what = (
+        "projections ("
+        + ", ".join(_FORMS[f] for f in sorted(forms))
+        + "); embedding, norms, head float32"
+    )
     return Row(name, command, what, open_source(out), sizes, proj, fit_s=fit_s)
 
 
@@ -208,7 +227,7 @@ def attnquant_rows(model: Path, label: str, stats: Path, budgets, tmp: Path) -> 
         out = tmp / f"aq-r{rank}-{'gptq' if calibration else 'rtn'}"
         t0 = time.perf_counter()
         spec = DecomposeSpec(quant="nvfp4", rank=rank, calibration=calibration)
-        decompose_checkpoint(model, out, spec=spec)
+        decompose_checkpoint(model, out, spec=spec, overwrite=True)
         command = f"attnquant decompose {label} -o OUT --quant nvfp4 --rank {rank}{flag}"
         rows.append(theta_row(name, command, out, time.perf_counter() - t0))
         print(f"  {name}: {rows[-1].fit_s:.1f} s", flush=True)
@@ -225,7 +244,7 @@ def budget_row(
     out = tmp / f"aq-budget-{budget}"
     t0 = time.perf_counter()
     spec = DecomposeSpec(budget=budget, quant="nvfp4", calibration=stats)
-    manifest = decompose_budget(model, out, spec=spec).manifest
+    manifest = decompose_budget(model, out, spec=spec, overwrite=True).manifest
     command = f"attnquant decompose {label} -o OUT --budget {budget} --quant nvfp4 "
     command += "--calibration STATS"
     row = theta_row(f"attnquant --budget {budget}{why}", command, out, time.perf_counter() - t0)
@@ -243,8 +262,9 @@ def llama_rows(f32: Path, config: dict, wanted, imat: Path | None, tmp: Path) ->
     rows = []
     for spec in wanted:
         qtype, *flags = spec.split("+")
-        use_imatrix, f32io = "imatrix" in flags, "f32io" in flags
+        use_imatrix, f32io, pure = "imatrix" in flags, "f32io" in flags, "pure" in flags
         extra = ["--token-embedding-type", "f32", "--output-tensor-type", "f32"] if f32io else []
+        extra += ["--pure"] if pure else []
         dst = tmp / f"{spec.replace('+', '-')}.gguf"
         t0 = time.perf_counter()
         llamacpp.quantize(f32, dst, qtype, imatrix=imat if use_imatrix else None, extra=extra)
@@ -253,6 +273,7 @@ def llama_rows(f32: Path, config: dict, wanted, imat: Path | None, tmp: Path) ->
         command += " --imatrix IMATRIX" if use_imatrix else ""
         command += f" F32.gguf OUT.gguf {qtype} 2"
         name = f"llama.cpp {qtype}" + (" + imatrix" if use_imatrix else "")
+        name += ", --pure" if pure else ""
         name += ", embd/head F32" if f32io else ""
         row = gguf_row(name, " ".join(command.split()), dst, config)
         row.fit_s = fit_s
@@ -353,7 +374,12 @@ def main() -> None:
             if peer.name.removeprefix("llama.cpp ") in args.match:
                 budget = math.floor(peer.projection_bytes / (4 * proj_params) * 1e4) / 1e4
                 why = f" (= {peer.name.removeprefix('llama.cpp ')}'s bytes)"
-                rows.append(budget_row(model, label, report.path, budget, tmp, why))
+                stem = f"attnquant --budget {budget}"
+                same = [r for r in rows if r.name == stem or r.name.startswith(stem + " (")]
+                if same:  # that budget is a row already
+                    same[0].name += why
+                else:
+                    rows.append(budget_row(model, label, report.path, budget, tmp, why))
 
     t0 = time.perf_counter()
     results = evaluate([base, *(r.source for r in rows)], heldout)
@@ -389,7 +415,7 @@ def main() -> None:
         )
         table.append(
             f"| {row.name} | {bits_proj:.2f} | {bits_all:.2f} | "
-            f"{r.perplexity / dense.perplexity:.4f} | {100 * r.top1:.2f}% | {r.kl:.4f} |"
+            f"{r.perplexity / dense.perplexity:.4f} | {100 * r.top1:.2f}% | {r.kl:.5f} |"
         )
     print("\n".join(table))
     print("\nwhat each row quantized:")

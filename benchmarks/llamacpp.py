@@ -341,13 +341,11 @@ def quantize(
     extra: Sequence[str] = (),
 ) -> Path:
     """``llama-quantize src dst qtype`` (``Q4_0``, ``Q4_K_M``, ...), with an importance matrix
-    when given and ``extra`` options before the paths (``--output-tensor-type f32``, ...);
-    written under a temporary name, renamed when complete. Its output is kept in
-    ``dst.log`` (the types it chose, fallbacks for rows not a multiple of 256)."""
+    when given and ``extra`` options (``--output-tensor-type f32``, ...); written under a
+    temporary name, renamed when complete; its output (the types chosen, fallbacks) in
+    ``dst.log``."""
     tmp = dst.with_name(dst.name + ".tmp")
-    cmd: list = [tool("llama-quantize"), *extra]
-    if imatrix is not None:
-        cmd += ["--imatrix", imatrix]
+    cmd = [tool("llama-quantize"), *extra, *(["--imatrix", imatrix] if imatrix else [])]
     _run([*cmd, src, tmp, qtype, str(threads)], dst.with_name(dst.name + ".log"))
     tmp.replace(dst)
     return dst
@@ -369,8 +367,7 @@ def imatrix(
     tmp = out.with_name(out.name + ".tmp.gguf")
     cmd = [tool("llama-imatrix"), "-m", model, "-f", text, "-o", tmp, "-t", str(threads)]
     cmd += ["-c", str(ctx), "--chunks", str(chunks), "--no-ppl"]
-    if parse_special:
-        cmd.append("--parse-special")
+    cmd += ["--parse-special"] if parse_special else []
     _run(cmd, out.with_name(out.name + ".log"))
     tmp.replace(out)
     return out
