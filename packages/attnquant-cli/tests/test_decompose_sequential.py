@@ -4,20 +4,18 @@ byte-level tokenizer (the demo's decompositions take minutes on a busy 2-core ma
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
-import safetensors.numpy
 
 from attnquant_cli import cli
 from attnquant_core import MANIFEST_FILE, ThetaCheckpoint
 from attnquant_core.calib import read_texts, token_stream, token_windows, windows_digest
-from attnquant_core.testing import llama_config, make_weights, write_byte_tokenizer
+from attnquant_core.testing import byte_llama_config, write_byte_llama
 
 LAYERS, VOCAB = 3, 257
-CONFIG = llama_config(LAYERS, vocab_size=VOCAB, eos_token_id=256, max_position_embeddings=64)
+CONFIG = byte_llama_config(LAYERS, VOCAB)
 TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x = 0\n    y = 0\n" * 6
 FEW = ["--samples", "4", "--seq-len", "16"]
 
@@ -26,20 +24,7 @@ FEW = ["--samples", "4", "--seq-len", "16"]
 def tiny(tmp_path_factory) -> tuple[Path, str]:
     """A 3-layer Llama (attnquant_core.testing's shapes) with a byte-level tokenizer, and a text."""
     directory = tmp_path_factory.mktemp("tiny") / "model"
-    directory.mkdir()
-    rng = np.random.default_rng(0)
-    state = {
-        k: (v / math.sqrt(v.shape[-1]) if v.ndim == 2 else v)
-        for k, v in make_weights(LAYERS).items()
-    }
-    for layer in range(LAYERS):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"model.layers.{layer}.{norm}.weight"] = np.ones(24, np.float32)
-    state["model.embed_tokens.weight"] = rng.standard_normal((VOCAB, 24)).astype(np.float32)
-    state["lm_head.weight"] = (rng.standard_normal((VOCAB, 24)) / 3).astype(np.float32)
-    safetensors.numpy.save_file(state, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(CONFIG))
-    write_byte_tokenizer(directory, ["<eos>"], eos_token="<eos>")
+    write_byte_llama(directory, LAYERS, VOCAB)
     text = directory.parent / "text.txt"
     text.write_text(TEXT)
     return directory, str(text)

@@ -7,6 +7,7 @@ Not imported by the library itself; numpy and safetensors (and ``tokenizers`` fo
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ __all__ = [
     "llama_config",
     "make_weights",
     "mixed_families",
+    "byte_llama_config",
+    "write_byte_llama",
     "write_byte_tokenizer",
     "write_checkpoint",
 ]
@@ -196,6 +199,37 @@ def write_byte_tokenizer(directory: Path, specials: list[str], **tokenizer_confi
     tokenizer.save(str(Path(directory) / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def byte_llama_config(num_layers: int, vocab: int = 257) -> dict[str, object]:
+    """The ``config.json`` of :func:`write_byte_llama`'s model."""
+    return llama_config(num_layers, vocab_size=vocab, eos_token_id=256, max_position_embeddings=64)
+
+
+def write_byte_llama(directory: Path, num_layers: int, vocab: int = 257) -> dict[str, object]:
+    """Write a servable tiny Llama of :data:`SHAPES` to ``directory``; return its config.
+
+    Its weights are :func:`make_weights`' scaled to unit gain, with norms of ones, a random
+    embedding and head, and :func:`write_byte_tokenizer`'s byte-level tokenizer (``<eos>``
+    is id 256). Every numpy forward can score text with it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = byte_llama_config(num_layers, vocab)
+    hidden = int(config["hidden_size"])
+    rng = np.random.default_rng(0)
+    state = {
+        k: (v / math.sqrt(v.shape[-1]) if v.ndim == 2 else v)
+        for k, v in make_weights(num_layers).items()
+    }
+    for layer in range(num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"model.layers.{layer}.{norm}.weight"] = np.ones(hidden, np.float32)
+    state["model.embed_tokens.weight"] = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    state["lm_head.weight"] = (rng.standard_normal((vocab, hidden)) / 3).astype(np.float32)
+    safetensors.numpy.save_file(state, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    write_byte_tokenizer(directory, ["<eos>"], eos_token="<eos>")
+    return config
 
 
 #: The projections of :func:`mixed_families` (hidden 32, q 48, k/v 16, MLP 64), three layers.
