@@ -35,7 +35,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
-from scipy.special import log_softmax
 
 from ..fit._whiten import whitened_svd
 from ..fit._whitened import Calibration, as_calibration
@@ -48,6 +47,7 @@ from ..io._sensitivity import (
     sensitivity_path,
 )
 from ._data import windows_digest
+from ._evaluate import _logprobs
 from ._forward import (
     LAYER_PROJECTIONS,
     ModelSource,
@@ -118,7 +118,7 @@ def measure_sensitivity(
     tokens = n * (T - 1)
 
     def logprobs(h: np.ndarray, i: int) -> np.ndarray:
-        return log_softmax((h[i, :-1] @ head.T).astype(np.float64), axis=-1)
+        return _logprobs(h[i, :-1], head)
 
     dense_final = final_hidden(source, windows, dtype=dt, batch=batch)
     held = n * (T - 1) * head.shape[0] * 4 <= DENSE_LOGPROBS_BYTES
