@@ -37,8 +37,10 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
   MAX: the same weights as a float32 GGUF (``llamacpp.hf_to_gguf``), quantized by llama.cpp's
   own ``llama-quantize`` (Q4_K_M: its K-quant mix, Q6_K head and half the ``attn_v`` /
   ``ffn_down``), served by ``llama-server`` with as many threads as the machine has cores and
-  timed as the MAX rows are (the prompt as token ids, ``ignore_eos``, no prompt cache: one HTTP
-  round trip on the loopback per run beside the in-process MAX calls); their logit distance is
+  given what the MAX rows are (the prompt as token ids, ``ignore_eos``, no prompt cache), each
+  run one request timed by llama-server itself (its ``timings``: prompt and generation; two
+  requests timed from outside differ by less than their HTTP latency on a small model); their
+  logit distance is
   the numpy forward of the GGUF's dequantized weights against float32's greedy tokens. llama.cpp
   is built once into a cache (``python benchmarks/llamacpp.py build``).
 
@@ -255,6 +257,17 @@ def runner_of(loaded: Any) -> Any:
     return loaded.runner() if hasattr(loaded, "runner") else generate_runner(loaded)
 
 
+def sampler_of(loaded: Any, prompt: list[int], new_tokens: int) -> Any:
+    """One timed run of ``loaded``: a MAX model timed from outside as ``attnquant bench`` times
+    it, a llama.cpp model by llama-server's own timings (``LlamaCppModel.sample``)."""
+    from attnquant_cli._bench import measure
+
+    if hasattr(loaded, "sample"):
+        return lambda: loaded.sample(prompt, new_tokens)
+    run = runner_of(loaded)
+    return lambda: measure(run, prompt, new_tokens)
+
+
 def parity_of(base: Any, loaded: Any, shape: Any) -> Any:
     """Logit distance to float32 over :data:`PARITY_PROMPTS` x 16 greedy tokens: MAX models
     teacher-forced through MAX, a llama.cpp GGUF through the numpy forward of its weights."""
@@ -296,8 +309,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from attnquant_cli import demo_model_path
-    from attnquant_cli._bench import bench_pair, prompt_ids, summarize
-    from attnquant_core import machine_load, read_load
+    from attnquant_cli._bench import prompt_ids, summarize
+    from attnquant_core import machine_load, read_load, run_paired
     from attnquant_max import ServingOptions, load_pipeline
 
     shape = SHAPES[args.shape]
@@ -364,12 +377,10 @@ def main() -> None:
                 projected = getattr(loaded, "projection_bytes", None)
                 projected = projected or projection_bytes(held, shape, variant)
                 before = read_load()
-                runs = bench_pair(
-                    runner_of(timed_base),
-                    runner_of(loaded),
-                    prompt,
+                runs = run_paired(
+                    sampler_of(loaded, prompt, args.new_tokens),
+                    sampler_of(timed_base, prompt, args.new_tokens),
                     pairs=args.pairs,
-                    new_tokens=args.new_tokens,
                     warmup=args.warmup,
                 )
                 load = machine_load(before)

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -233,9 +232,10 @@ def hf_to_gguf(checkpoint: Path, out: Path) -> Path:
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    writer.add_value_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
@@ -373,12 +373,6 @@ def imatrix(
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server`` on a GGUF file, on a free loopback port, stopped on :meth:`close`.
 
@@ -389,7 +383,9 @@ class LlamaServer:
     def __init__(
         self, model: Path, *, threads: int = 2, ctx: int = 1024, parallel: int = 1
     ) -> None:
-        self.port = _free_port()
+        from attnquant_max.gateway import free_port
+
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
         cmd = [tool("llama-server"), "-m", model, "--host", "127.0.0.1", "--port", self.port]
@@ -468,6 +464,22 @@ class LlamaCppModel:
     def runner(self) -> Callable[[list[int], int], Any]:
         return self.server.runner()
 
+    def sample(self, prompt: list[int], new_tokens: int) -> Any:
+        """One timed run, as ``attnquant_cli._bench.Sample``, from llama-server's own timings of
+        one request: two requests timed from outside (one token, then all), as the MAX rows
+        are, differ by less than their HTTP and slot latency on a small model, so the decode
+        rate that their difference gives is noise there."""
+        from attnquant_cli._bench import Sample
+
+        t = self.server.complete(prompt, new_tokens)["timings"]
+        if t["cache_n"]:
+            raise RuntimeError(f"llama-server reused {t['cache_n']} cached prompt tokens")
+        return Sample(
+            ttft_s=t["prompt_ms"] / 1e3,  # the first token is sampled from the prompt's logits
+            prefill_tok_s=t["prompt_per_second"],
+            decode_tok_s=t["predicted_per_second"],
+        )
+
     def scores(self, config: dict, prompt: list[int], continuation: list[int]) -> Any:
         """Teacher-forced scores of ``continuation`` under the GGUF's dequantized weights (the
         numpy forward of attnquant-core in float32), as ``attnquant_max.TokenScores``."""
@@ -478,15 +490,7 @@ class LlamaCppModel:
             self._state = gguf_state(self.path)[0]
         ids = list(prompt) + list(continuation)
         logits = llama_logits(config, self._state, ids[:-1], dtype=np.float32)[len(prompt) - 1 :]
-        logits = logits.astype(np.float64)
-        logp = logits - logits.max(-1, keepdims=True)
-        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        top2 = np.sort(logp, axis=-1)[:, -2:]
-        return TokenScores(
-            logprobs=logp[np.arange(len(continuation)), continuation],
-            greedy=logp.argmax(-1),
-            margin=top2[:, 1] - top2[:, 0],
-        )
+        return TokenScores.from_logits(logits, continuation)
 
     def close(self) -> None:
         self.server.close()

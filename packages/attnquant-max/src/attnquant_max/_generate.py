@@ -190,6 +190,18 @@ class TokenScores:
     greedy: np.ndarray
     margin: np.ndarray | None = None
 
+    @classmethod
+    def from_logits(cls, logits: np.ndarray, continuation: Sequence[int]) -> TokenScores:
+        """The scores of ``continuation`` from the next-token ``logits`` ``[n, vocab]`` of each
+        of its positions (any forward's: MAX's, or a numpy reference's)."""
+        logp = _log_softmax(logits)
+        top2 = np.partition(logp, -2, axis=-1)[:, -2:]
+        return cls(
+            logprobs=logp[np.arange(len(continuation)), list(continuation)],
+            greedy=logp.argmax(axis=-1),
+            margin=top2[:, 1] - top2[:, 0],
+        )
+
 
 def greedy_logprobs(
     model: LoadedModel, prompt: Sequence[int], continuation: Sequence[int]
@@ -213,14 +225,7 @@ def greedy_logprobs(
         rows.extend(np.asarray(logits[0]) for logits in result.logits)
     if not rows:
         return TokenScores(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0))
-    logp = _log_softmax(np.stack(rows))
-    idx = np.arange(len(continuation))
-    top2 = np.partition(logp, -2, axis=-1)[:, -2:]
-    return TokenScores(
-        logprobs=logp[idx, continuation],
-        greedy=logp.argmax(axis=-1),
-        margin=top2[:, 1] - top2[:, 0],
-    )
+    return TokenScores.from_logits(np.stack(rows), continuation)
 
 
 @dataclass(frozen=True, kw_only=True)
