@@ -410,8 +410,10 @@ def main() -> None:
                     for m in ("decode_tok_s", "prefill_tok_s", "ttft_s")
                 )
                 + f"; decode {summary['medians']['theta']['decode_tok_s']:.1f} tok/s (roofline "
-                f"{row['roofline_tok_s']:.1f}), base {summary['medians']['base']['decode_tok_s']:.1f}"
-                f" (roofline {results['base']['roofline_tok_s']:.1f}); "
+                f"{row['roofline_tok_s']:.1f}), {args.against or 'float32'} "
+                f"{summary['medians']['base']['decode_tok_s']:.1f}"
+                + ("" if args.against else f" (roofline {results['base']['roofline_tok_s']:.1f})")
+                + "; "
                 f"max|dlogp| {parity.max_abs_logprob_delta:.3f}, agreement "
                 f"{100 * parity.agreement:.1f}%; {load.describe()}",
                 flush=True,
