@@ -27,6 +27,7 @@ from attnquant_core import (
     quantize_nvfp4,
 )
 from attnquant_core.calib import write_stats
+from attnquant_core.fit._gptq import search_block_scales
 from attnquant_core.forms._nvfp4 import E2M1_VALUES, E4M3_MAX, E4M3_MIN_SUBNORMAL
 from attnquant_core.testing import SHAPES16, make_weights, write_checkpoint
 
@@ -50,10 +51,13 @@ def _out_err(W: np.ndarray, q, G: np.ndarray) -> float:
     return float(np.sqrt(np.trace(D @ G @ D.T)))
 
 
-def _reference_gptq(W: np.ndarray, G: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _reference_gptq(
+    W: np.ndarray, G: np.ndarray, search: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ from its definition: each column rounded in turn, its error moved onto every later
     column at once through ``U`` (``U^T U = G^{-1}``); each 16-block's E4M3 scale from the block
-    as it stands when reached. Returns the codes' values and the per-block steps."""
+    as it stands when reached (its largest value, or with ``search`` the scale search weighted
+    by ``1 / U[c, c]^2``). Returns the codes' values and the per-block steps."""
     W = W.astype(np.float64).copy()
     out_dim, n = W.shape
     U = scipy.linalg.cholesky(np.linalg.inv(G), lower=False)
@@ -61,7 +65,11 @@ def _reference_gptq(W: np.ndarray, G: np.ndarray) -> tuple[np.ndarray, np.ndarra
     Q = np.zeros_like(W)
     steps = np.zeros((out_dim, n // 16), np.float32)
     for j in range(n):
-        if j % 16 == 0:
+        if j % 16 == 0 and search:
+            importance = 1.0 / np.diag(U)[j : j + 16] ** 2
+            e4m3 = search_block_scales(W[:, j : j + 16].astype(np.float32), scale_2, importance)
+            steps[:, j // 16] = e4m3.astype(np.float32) * scale_2
+        elif j % 16 == 0:
             amax = np.abs(W[:, j : j + 16].astype(np.float32)).max(axis=1)
             raw = amax / (np.float32(6) * scale_2)
             raw = np.clip(np.where(raw == 0, 1, raw), E4M3_MIN_SUBNORMAL, E4M3_MAX)
@@ -99,16 +107,57 @@ def test_a_diagonal_gram_moves_no_error_so_gptq_is_round_to_nearest_bit_for_bit(
         rng.standard_normal((out_dim, 16 * blocks)) * np.exp(spread * rng.standard_normal())
     ).astype(np.float32)
     G = np.diag(np.exp(spread * rng.uniform(-1, 1, 16 * blocks)))
-    assert _bytes(gptq_nvfp4(W, G)) == _bytes(quantize_nvfp4(W))
+    assert _bytes(gptq_nvfp4(W, G, scale_search=False)) == _bytes(quantize_nvfp4(W))
 
 
+def _block_errors(W: np.ndarray, q, importance: np.ndarray) -> np.ndarray:
+    """Each (row, 16-block)'s squared error weighted by its columns' ``importance``."""
+    D2 = (W.astype(np.float64) - dequantize_nvfp4(q).astype(np.float64)) ** 2 * importance
+    return D2.reshape(W.shape[0], -1, 16).sum(axis=-1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    out_dim=st.integers(1, 9),
+    blocks=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+    spread=st.floats(0.0, 4.0),
+    tail=st.floats(0.0, 3.0),
+)
+def test_the_scale_search_never_loses_to_round_to_nearest_where_no_error_moves(
+    out_dim, blocks, seed, spread, tail
+):
+    """A diagonal gram: every row-block's error, weighted by the diagonal (the importance the
+    search weighs by), is at most round to nearest's; and the search finds lower somewhere on
+    heavy-tailed weights, where clipping the largest value pays."""
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((out_dim, 16 * blocks)) * np.exp(
+        tail * rng.standard_normal((1, 16 * blocks))
+    )
+    W = (W * np.exp(spread * rng.standard_normal())).astype(np.float32)
+    d = np.exp(spread * rng.uniform(-1, 1, 16 * blocks))
+    searched = _block_errors(W, gptq_nvfp4(W, np.diag(d)), d)
+    nearest = _block_errors(W, quantize_nvfp4(W), d)
+    assert np.all(searched <= nearest * (1 + 1e-12) + 1e-300)
+
+
+def test_the_scale_search_lowers_the_weighted_error_of_heavy_tailed_blocks():
+    rng = np.random.default_rng(3)
+    W = (rng.standard_t(3, (64, 256))).astype(np.float32)
+    d = np.exp(rng.uniform(-1, 1, 256))
+    searched = _block_errors(W, gptq_nvfp4(W, np.diag(d)), d).sum()
+    nearest = _block_errors(W, quantize_nvfp4(W), d).sum()
+    assert searched < 0.95 * nearest
+
+
+@pytest.mark.parametrize("search", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_gptq_matches_the_column_by_column_definition(seed):
+def test_gptq_matches_the_column_by_column_definition(seed, search):
     rng = np.random.default_rng(seed)
     W = rng.standard_normal((12, 64)).astype(np.float32)
     G = _correlated_gram(64, seed)
-    Q_ref, steps_ref = _reference_gptq(W, G)
-    q = gptq_nvfp4(W, G, batch=32)  # two lazy batches: the batched update is exercised
+    Q_ref, steps_ref = _reference_gptq(W, G, search)
+    q = gptq_nvfp4(W, G, batch=32, scale_search=search)  # two lazy batches exercised
     got = dequantize_nvfp4(q).astype(np.float64)
     steps = q.weight_scale.astype(np.float32) * q.weight_scale_2
     assert np.array_equal(steps, steps_ref)

@@ -6,11 +6,14 @@ quantizes the inputs one column at a time and moves each column's rounding error
 columns not yet quantized, through the upper Cholesky factor ``U`` of ``H^{-1}``
 (``H^{-1} = U^T U``), which greedily lowers ``||(W - Q) X||_F``. The NVFP4 layout is kept
 exactly: the tensor scale is the weight's own (``amax / (6 * 448)``), and each 16-wide block's
-E4M3 scale is taken, as in GPTQ's grouped quantization, from the block's values at the moment
-it is reached (its error-compensated values), with the same float32 arithmetic and the same
-E2M1 rounding as :func:`~attnquant_core.quantize_nvfp4`; anything it writes dequantizes with
-:func:`~attnquant_core.dequantize_nvfp4`. With a diagonal ``H`` no error moves and the result is
-byte-identical to round-to-nearest.
+E4M3 scale is chosen, as in GPTQ's grouped quantization, from the block's values at the moment
+it is reached (its error-compensated values): by a search over a few scales at and below the
+block's ``amax / 6`` for the least error weighted by each column's importance
+(:func:`search_block_scales`; ``scale_search=False``: ``amax / 6`` alone), with the same
+float32 arithmetic and the same E2M1 rounding as :func:`~attnquant_core.quantize_nvfp4`;
+anything it writes dequantizes with :func:`~attnquant_core.dequantize_nvfp4`. With a diagonal
+``H`` no error moves: without the search the result is byte-identical to round-to-nearest,
+with it no block's weighted error exceeds round-to-nearest's.
 
 References
 ----------
@@ -29,8 +32,11 @@ import scipy.linalg
 from .._errors import DecompositionError
 from ..forms._nvfp4 import (
     _E4M3,
+    _F32,
     BLOCK_SIZE,
     E2M1_VALUES,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
     NVFP4Error,
     NVFP4Tensor,
     _as_float32_matrix,
@@ -42,11 +48,13 @@ from ..forms._nvfp4 import (
 
 __all__ = [
     "ROUNDINGS",
+    "SCALE_FACTORS",
     "band_gram",
     "check_rounding",
     "gptq_nvfp4",
     "inverse_cholesky_upper",
     "rounding_fields",
+    "search_block_scales",
 ]
 
 #: How a quantized ``W0`` is rounded where statistics cover its band (``decompose --rounding``).
@@ -77,6 +85,38 @@ class _HasGram(Protocol):
 #: Columns whose error moves onto the rest in one matrix product (a multiple of 16).
 GPTQ_BATCH = 128
 
+#: The block-scale candidates of the scale search, as multiples of round to nearest's
+#: ``amax / 6`` before E4M3 rounding; 1.0 first, so a tie keeps round to nearest's scale.
+SCALE_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 1.05, 1.1)
+
+
+def search_block_scales(block: np.ndarray, scale_2: np.float32, weights: np.ndarray) -> np.ndarray:
+    """Each row's E4M3 scale for one 16-wide ``block`` ``[out, 16]`` (float32): of the E4M3
+    roundings of ``amax / 6`` times each of :data:`SCALE_FACTORS`, the one whose E2M1 rounding
+    has the least error weighted by the columns' ``weights`` ``[16]`` (a column's importance:
+    GPTQ's ``1 / U[c, c]^2``, the gram's diagonal where no error moves), as llama.cpp's
+    importance-weighted scale search and GPTQ's ``mse`` grid choose theirs. A smaller scale
+    clips the largest weights to buy finer steps for the rest; the search takes it only where
+    that lowers the weighted error, so no row-block's weighted error exceeds round to
+    nearest's."""
+    amax = np.abs(block).max(axis=1)
+    raw = amax / (_F32(6.0) * scale_2)
+    best = best_err = None
+    for f in SCALE_FACTORS:
+        scale = np.clip(np.where(raw == 0, _F32(1), raw * _F32(f)), E4M3_MIN_SUBNORMAL, E4M3_MAX)
+        e4m3 = scale.astype(np.float32).astype(_E4M3)
+        step = e4m3.astype(np.float32) * scale_2
+        codes = e2m1_codes(block / step[:, None])
+        q = E2M1_VALUES[codes] * step[:, None]
+        err = ((block.astype(np.float64) - q) ** 2) @ weights
+        if best is None:
+            best, best_err = e4m3, err
+        else:
+            better = err < best_err
+            best = np.where(better, e4m3, best)
+            best_err = np.where(better, err, best_err)
+    return best
+
 
 def inverse_cholesky_upper(gram: np.ndarray, *, name: str = "gram") -> np.ndarray:
     """Upper triangular ``U`` with ``U^T U = gram^{-1}`` (float64), for a positive definite
@@ -95,7 +135,12 @@ def inverse_cholesky_upper(gram: np.ndarray, *, name: str = "gram") -> np.ndarra
 
 
 def gptq_nvfp4(
-    W: np.ndarray, gram: np.ndarray, *, name: str = "weight", batch: int = GPTQ_BATCH
+    W: np.ndarray,
+    gram: np.ndarray,
+    *,
+    name: str = "weight",
+    batch: int = GPTQ_BATCH,
+    scale_search: bool = True,
 ) -> NVFP4Tensor:
     """Quantize ``W`` ``[out, in]`` to NVFP4, choosing codes to lower ``||(W - Q) X||_F``.
 
@@ -108,6 +153,9 @@ def gptq_nvfp4(
         :meth:`attnquant_core.calib.Whitening.gram`), positive definite.
     batch : int, default=128
         Columns per lazy update (a multiple of 16); changes only the rounding of the updates.
+    scale_search : bool, default=True
+        Choose each block's E4M3 scale by :func:`search_block_scales` (the importance-weighted
+        error over a few candidates) rather than from the block's largest value alone.
 
     Returns
     -------
@@ -135,9 +183,14 @@ def gptq_nvfp4(
             col = i1 + j
             if col % BLOCK_SIZE == 0:
                 # The block's scale from its current (error-compensated) values.
-                e4m3, _ = _block_scales(block[:, j : j + BLOCK_SIZE].astype(np.float32), scale_2)
-                scales[:, col // BLOCK_SIZE] = e4m3[:, 0]
-                step = e4m3[:, 0].astype(np.float32) * scale_2
+                current = block[:, j : j + BLOCK_SIZE].astype(np.float32)
+                if scale_search:
+                    importance = 1.0 / np.diag(U)[col : col + BLOCK_SIZE] ** 2
+                    e4m3 = search_block_scales(current, scale_2, importance)
+                else:
+                    e4m3 = _block_scales(current, scale_2)[0][:, 0]
+                scales[:, col // BLOCK_SIZE] = e4m3
+                step = e4m3.astype(np.float32) * scale_2
             c = e2m1_codes(block[:, j].astype(np.float32) / step)
             codes[:, col] = c
             err = (block[:, j] - (E2M1_VALUES[c] * step).astype(np.float64)) / U[col, col]
