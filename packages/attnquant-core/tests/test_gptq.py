@@ -92,22 +92,23 @@ def _reference_gptq(
 # -- the rounding ----------------------------------------------------------------------------
 
 
+@st.composite
+def diagonal_cases(draw: st.DrawFn, tailed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """A weight ``[out, 16k]`` (scaled by ``exp(spread)``; with ``tailed`` its columns' scales
+    spread too, so some blocks hold outliers) and a positive diagonal for its gram."""
+    out_dim, blocks = draw(st.integers(1, 9)), draw(st.integers(1, 5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    spread, tail = draw(st.floats(0.0, 4.0)), draw(st.floats(0.0, 3.0)) if tailed else 0.0
+    W = rng.standard_normal((out_dim, 16 * blocks))
+    W *= np.exp(tail * rng.standard_normal((1, 16 * blocks)) + spread * rng.standard_normal())
+    return W.astype(np.float32), np.exp(spread * rng.uniform(-1, 1, 16 * blocks))
+
+
 @settings(max_examples=30, deadline=None)
-@given(
-    out_dim=st.integers(1, 9),
-    blocks=st.integers(1, 5),
-    seed=st.integers(0, 2**16),
-    spread=st.floats(0.0, 4.0),
-)
-def test_a_diagonal_gram_moves_no_error_so_gptq_is_round_to_nearest_bit_for_bit(
-    out_dim, blocks, seed, spread
-):
-    rng = np.random.default_rng(seed)
-    W = (
-        rng.standard_normal((out_dim, 16 * blocks)) * np.exp(spread * rng.standard_normal())
-    ).astype(np.float32)
-    G = np.diag(np.exp(spread * rng.uniform(-1, 1, 16 * blocks)))
-    assert _bytes(gptq_nvfp4(W, G, scale_search=False)) == _bytes(quantize_nvfp4(W))
+@given(case=diagonal_cases())
+def test_a_diagonal_gram_moves_no_error_so_gptq_is_round_to_nearest_bit_for_bit(case):
+    W, d = case
+    assert _bytes(gptq_nvfp4(W, np.diag(d), scale_search=False)) == _bytes(quantize_nvfp4(W))
 
 
 def _block_errors(W: np.ndarray, q, importance: np.ndarray) -> np.ndarray:
@@ -117,25 +118,11 @@ def _block_errors(W: np.ndarray, q, importance: np.ndarray) -> np.ndarray:
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    out_dim=st.integers(1, 9),
-    blocks=st.integers(1, 5),
-    seed=st.integers(0, 2**16),
-    spread=st.floats(0.0, 4.0),
-    tail=st.floats(0.0, 3.0),
-)
-def test_the_scale_search_never_loses_to_round_to_nearest_where_no_error_moves(
-    out_dim, blocks, seed, spread, tail
-):
+@given(case=diagonal_cases(tailed=True))
+def test_the_scale_search_never_loses_to_round_to_nearest_where_no_error_moves(case):
     """A diagonal gram: every row-block's error, weighted by the diagonal (the importance the
-    search weighs by), is at most round to nearest's; and the search finds lower somewhere on
-    heavy-tailed weights, where clipping the largest value pays."""
-    rng = np.random.default_rng(seed)
-    W = rng.standard_normal((out_dim, 16 * blocks)) * np.exp(
-        tail * rng.standard_normal((1, 16 * blocks))
-    )
-    W = (W * np.exp(spread * rng.standard_normal())).astype(np.float32)
-    d = np.exp(spread * rng.uniform(-1, 1, 16 * blocks))
+    search weighs by), is at most round to nearest's, which is always among its candidates."""
+    W, d = case
     searched = _block_errors(W, gptq_nvfp4(W, np.diag(d)), d)
     nearest = _block_errors(W, quantize_nvfp4(W), d)
     assert np.all(searched <= nearest * (1 + 1e-12) + 1e-300)
