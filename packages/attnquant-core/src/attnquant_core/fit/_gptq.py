@@ -32,11 +32,8 @@ import scipy.linalg
 from .._errors import DecompositionError
 from ..forms._nvfp4 import (
     _E4M3,
-    _F32,
     BLOCK_SIZE,
     E2M1_VALUES,
-    E4M3_MAX,
-    E4M3_MIN_SUBNORMAL,
     NVFP4Error,
     NVFP4Tensor,
     _as_float32_matrix,
@@ -99,12 +96,9 @@ def search_block_scales(block: np.ndarray, scale_2: np.float32, weights: np.ndar
     clips the largest weights to buy finer steps for the rest; the search takes it only where
     that lowers the weighted error, so no row-block's weighted error exceeds round to
     nearest's."""
-    amax = np.abs(block).max(axis=1)
-    raw = amax / (_F32(6.0) * scale_2)
     best = best_err = None
     for f in SCALE_FACTORS:
-        scale = np.clip(np.where(raw == 0, _F32(1), raw * _F32(f)), E4M3_MIN_SUBNORMAL, E4M3_MAX)
-        e4m3 = scale.astype(np.float32).astype(_E4M3)
+        e4m3 = _block_scales(block, scale_2, f)[0][:, 0]
         step = e4m3.astype(np.float32) * scale_2
         codes = e2m1_codes(block / step[:, None])
         q = E2M1_VALUES[codes] * step[:, None]
@@ -175,6 +169,7 @@ def gptq_nvfp4(
     codes = np.empty((out_dim, in_dim), np.uint8)
     scales = np.empty((out_dim, in_dim // BLOCK_SIZE), _E4M3)
     step = np.empty(out_dim, np.float32)
+    importance = 1.0 / np.diag(U) ** 2  # each column's weight in the scale search
     for i1 in range(0, in_dim, batch):
         i2 = min(i1 + batch, in_dim)
         block = work[:, i1:i2]  # a view: the updates below land in ``work``
@@ -185,8 +180,7 @@ def gptq_nvfp4(
                 # The block's scale from its current (error-compensated) values.
                 current = block[:, j : j + BLOCK_SIZE].astype(np.float32)
                 if scale_search:
-                    importance = 1.0 / np.diag(U)[col : col + BLOCK_SIZE] ** 2
-                    e4m3 = search_block_scales(current, scale_2, importance)
+                    e4m3 = search_block_scales(current, scale_2, importance[col : col + BLOCK_SIZE])
                 else:
                     e4m3 = _block_scales(current, scale_2)[0][:, 0]
                 scales[:, col // BLOCK_SIZE] = e4m3

@@ -232,8 +232,11 @@ def _tensor_scale(W: np.ndarray) -> np.float32:
     return _F32(amax / _F32(E2M1_MAX * E4M3_MAX))
 
 
-def _block_scales(W: np.ndarray, scale_2: np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """E4M3 block scales ``[out, in/16]`` and the unrounded float32 scales they come from."""
+def _block_scales(
+    W: np.ndarray, scale_2: np.float32, factor: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """E4M3 block scales ``[out, in/16]`` and the unrounded float32 scales they come from;
+    ``factor`` scales the unrounded scales before rounding (GPTQ's scale search tries a few)."""
     out_dim, in_dim = W.shape
     block_amax = np.abs(W.reshape(out_dim, in_dim // BLOCK_SIZE, BLOCK_SIZE)).max(axis=-1)
     # modelopt: per_block_amax / (6 * weights_scaling_factor_2), in float32.
@@ -242,7 +245,7 @@ def _block_scales(W: np.ndarray, scale_2: np.float32) -> tuple[np.ndarray, np.nd
     # A tiny nonzero block clamps up to the smallest E4M3 subnormal instead of underflowing to
     # a zero scale. The top clamp only catches float32 rounding above 448: E4M3 has no infinity
     # and ml_dtypes (like torch) turns values past the largest finite code into NaN.
-    scale = np.where(raw == 0, _F32(1), raw)
+    scale = np.where(raw == 0, _F32(1), raw * _F32(factor))
     scale = np.clip(scale, _F32(E4M3_MIN_SUBNORMAL), _F32(E4M3_MAX))
     return scale.astype(_E4M3), raw  # round to nearest even, as torch's .to(float8_e4m3fn)
 
