@@ -12,22 +12,17 @@ import pytest
 from attnquant_cli import cli
 from attnquant_core import MANIFEST_FILE, ThetaCheckpoint
 from attnquant_core.calib import read_texts, token_stream, token_windows, windows_digest
-from attnquant_core.testing import byte_llama_config, write_byte_llama
+from attnquant_core.testing import byte_llama_config
 
 LAYERS, VOCAB = 3, 257
 CONFIG = byte_llama_config(LAYERS, VOCAB)
-TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x = 0\n    y = 0\n" * 6
 FEW = ["--samples", "4", "--seq-len", "16"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, str]:
-    """A 3-layer Llama (attnquant_core.testing's shapes) with a byte-level tokenizer, and a text."""
-    directory = tmp_path_factory.mktemp("tiny") / "model"
-    write_byte_llama(directory, LAYERS, VOCAB)
-    text = directory.parent / "text.txt"
-    text.write_text(TEXT)
-    return directory, str(text)
+def tiny(byte_llama) -> tuple[Path, str]:
+    """A 3-layer byte-level Llama and a text (conftest's ``byte_llama``)."""
+    return byte_llama(LAYERS)
 
 
 def _manifest(path: Path) -> dict:
