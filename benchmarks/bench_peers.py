@@ -43,7 +43,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp
-from bench_quality import CALIBRATION, DEMO, HELDOUT, ROOT, source_of
+from bench_quality import (
+    CALIBRATION,
+    DEMO,
+    HELDOUT,
+    ROOT,
+    heldout_record,
+    source_of,
+    write_result,
+)
 
 from attnquant_core import (
     FAMILIES,
@@ -58,7 +66,6 @@ from attnquant_core.calib import (
     calibrate,
     evaluate,
     open_source,
-    peak_rss_bytes,
     read_texts,
     token_stream,
     token_windows,
@@ -441,25 +448,15 @@ def main() -> None:
             "windows": report.sequences,
             "seq_len": report.seq_len,
         },
-        "heldout": {
-            "data": [str(p) for p in args.heldout],
-            "windows": int(heldout.shape[0]),
-            "seq_len": int(heldout.shape[1]),
-            "predictions": dense.tokens,
-            "dense_perplexity": dense.perplexity,
-        },
+        "heldout": heldout_record([str(p) for p in args.heldout], heldout, dense),
         "llama_cpp": llama,
         "rows": out_rows,
         "table": table,
         "eval_s": round(eval_s, 1),
-        "wall_s": round(time.perf_counter() - started, 1),
-        "peak_rss_bytes": peak_rss_bytes(),
     }
     if scratch is not None:
         scratch.cleanup()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out} ({result['wall_s']} s)")
+    write_result(args.out, result, started)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ import safetensors.numpy
 from attnquant_cli._prompts import VERIFY_PROMPTS
 from attnquant_core import FAMILIES, ThetaCheckpoint, decompose_budget
 from attnquant_core.calib import (
+    EvalResult,
     ModelSource,
     calibrate,
     decompose_calibrated,
@@ -367,22 +368,32 @@ def main() -> None:
             "sensitivity_tokens": None if sensitivity is None else sensitivity.tokens,
             "sensitivity_seconds": round(sensitivity_s, 1),
         },
-        "heldout": {
-            "data": str(HELDOUT.relative_to(ROOT)),
-            "windows": int(heldout.shape[0]),
-            "seq_len": int(heldout.shape[1]),
-            "predictions": dense.tokens,
-            "dense_perplexity": dense.perplexity,
-        },
+        "heldout": heldout_record(str(HELDOUT.relative_to(ROOT)), heldout, dense),
         "sequential_fit_seconds": sequential_s,
         "rows": rows,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "peak_rss_bytes": peak_rss_bytes(),
     }
     scratch.cleanup()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out} ({result['wall_s']} s)")
+    write_result(args.out, result, started)
+
+
+def heldout_record(data: str | list[str], heldout: np.ndarray, dense: EvalResult) -> dict:
+    """What a run was judged on: the held-out text, its windows and the dense model's score."""
+    return {
+        "data": data,
+        "windows": int(heldout.shape[0]),
+        "seq_len": int(heldout.shape[1]),
+        "predictions": dense.tokens,
+        "dense_perplexity": dense.perplexity,
+    }
+
+
+def write_result(out: Path, result: dict, started: float) -> None:
+    """``result`` with the run's wall time (since ``started``) and peak RSS, as JSON at ``out``."""
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out} ({result['wall_s']} s)")
 
 
 if __name__ == "__main__":

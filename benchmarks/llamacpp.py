@@ -9,9 +9,10 @@
   synthetic one) as a float32 GGUF with its tokenizer, laid out as llama.cpp's converter lays it
   out (q/k rows permuted to interleaved RoPE), so llama.cpp's own ``llama-quantize`` makes its
   Q4_0 / Q4_K_M / imatrix files from the very weights attnquant compresses.
-* :class:`LlamaServer` serves a GGUF with ``llama-server``; :meth:`LlamaServer.runner` times a
-  greedy completion of token ids exactly as :func:`attnquant_cli._bench.measure` times a MAX
-  model (the prompt as ids, ``ignore_eos``, no prompt cache).
+* :class:`LlamaServer` serves a GGUF with ``llama-server`` (greedy completions of token ids,
+  ``ignore_eos``, no prompt cache); :meth:`LlamaCppModel.sample` times one by llama-server's own
+  ``timings``, :meth:`LlamaServer.runner` hands the completion to a caller that times it
+  (``profile_decode.py``).
 * :func:`gguf_state` reads a (quantized) GGUF back into float32 Hugging Face tensors with the
   ``gguf`` package, for the numpy forward's perplexity, agreement and KL on our own tokens.
 
