@@ -141,7 +141,6 @@ def measure_sensitivity(
             )
         return out
 
-    weights_of: dict[str, float] = {}
     kl: dict[str, float] = {}
     error2: dict[str, float] = {}
     h = _embedded(source, windows, dt)  # the dense input of the current layer
@@ -170,7 +169,7 @@ def measure_sensitivity(
         h = run(h, layer, dense_w)
         del dense_w
     tiny = np.finfo(np.float64).tiny
-    weights_of = {k: kl[k] / error2[k] for k in kl if error2[k] > tiny}
+    weights_of: dict[str, float] = {k: kl[k] / error2[k] for k in kl if error2[k] > tiny}
     top = max(weights_of.values(), default=1.0)
     weights_of = {k: weights_of.get(k, top) for k in kl}
     return Sensitivity(
