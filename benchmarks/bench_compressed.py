@@ -206,13 +206,7 @@ def prepare(
         import llamacpp
 
         quant = variant.split()[1]
-        (work / "llamacpp").mkdir(exist_ok=True)
-        f32 = work / "llamacpp" / "model-f32.gguf"
-        if not f32.exists():
-            llamacpp.hf_to_gguf(base_dir, f32)
-        out = work / "llamacpp" / f"model-{quant}.gguf"
-        if quant != "f32" and not out.exists():
-            llamacpp.quantize(f32, out, quant.upper(), threads=os.cpu_count() or 1)
+        out = llamacpp.cached_gguf(base_dir, work / "llamacpp", quant)
         return out, {}, f"llama.cpp {quant.upper()} (llama-server, llama-quantize)"
     if variant.startswith("gguf"):
         quant = variant.split()[1]

@@ -142,13 +142,7 @@ def main() -> None:
     model = work / "float32"
     if not (model / "config.json").exists():
         write_synthetic(model, SHAPES[args.shape], demo_model_path())
-    f32 = work / "llamacpp" / "model-f32.gguf"
-    f32.parent.mkdir(parents=True, exist_ok=True)
-    if not f32.exists():
-        llamacpp.hf_to_gguf(model, f32)
-    gguf = f32.with_name(f"model-{args.llamacpp.lower()}.gguf")
-    if not gguf.exists():
-        llamacpp.quantize(f32, gguf, args.llamacpp, threads=os.cpu_count() or 1)
+    gguf = llamacpp.cached_gguf(model, work / "llamacpp", args.llamacpp)
     threads = os.cpu_count() or 1
     results: dict[str, object] = {"shape": args.shape, "tokens": args.tokens,
                                   "aq_args": args.aq_args, "llamacpp": args.llamacpp,

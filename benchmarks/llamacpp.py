@@ -352,6 +352,20 @@ def quantize(
     return dst
 
 
+def cached_gguf(checkpoint: Path, directory: Path, qtype: str) -> Path:
+    """``directory/model-<qtype>.gguf`` of ``checkpoint`` (``qtype`` ``F32`` or a
+    ``llama-quantize`` type), made once and reused: its float32 GGUF (:func:`hf_to_gguf`), then
+    :func:`quantize` on every core."""
+    directory.mkdir(parents=True, exist_ok=True)
+    f32 = directory / "model-f32.gguf"
+    if not f32.exists():
+        hf_to_gguf(checkpoint, f32)
+    out = directory / f"model-{qtype.lower()}.gguf"
+    if not out.exists():
+        quantize(f32, out, qtype.upper(), threads=os.cpu_count() or 1)
+    return out
+
+
 def imatrix(
     model: Path,
     text: Path,
