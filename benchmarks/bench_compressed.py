@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels_nvfp4 import memory_bandwidth, read_bandwidth
-from synthetic_llama import SHAPES, projection_shapes, write_gguf, write_synthetic
+from synthetic_llama import SHAPES, cached_synthetic, projection_shapes, write_gguf
 
 VARIANTS = (
     "float32",
@@ -302,7 +302,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
-    from attnquant_cli import demo_model_path
     from attnquant_cli._bench import prompt_ids, summarize
     from attnquant_core import machine_load, read_load, run_paired
     from attnquant_max import ServingOptions, load_pipeline
@@ -311,10 +310,8 @@ def main() -> None:
     proj_params, all_params = shape.parameters()
     work = args.work or Path(tempfile.mkdtemp(prefix="aq-bench-compressed-"))
     work.mkdir(parents=True, exist_ok=True)
-    base_dir = work / "float32"
     t0 = time.perf_counter()
-    if not (base_dir / "config.json").exists():
-        write_synthetic(base_dir, shape, demo_model_path())
+    base_dir = cached_synthetic(work, shape)
     print(
         f"{shape.name}: {all_params / 1e6:.0f}M parameters ({proj_params / 1e6:.0f}M in "
         f"projections {sorted(set(projection_shapes(shape).values()))}); written in "

@@ -28,15 +28,12 @@ from pathlib import Path
 def child(args: argparse.Namespace) -> None:
     """Load, warm up, time; print one JSON line."""
     from bench_compressed import load_variant, prepare
-    from synthetic_llama import SHAPES, write_synthetic
+    from synthetic_llama import SHAPES, cached_synthetic
 
-    from attnquant_cli import demo_model_path
     from attnquant_cli._bench import generate_runner, measure, prompt_ids
 
     shape = SHAPES[args.shape]
-    base_dir = args.work / "float32"
-    if not (base_dir / "config.json").exists():
-        write_synthetic(base_dir, shape, demo_model_path())
+    base_dir = cached_synthetic(args.work, shape)
     path, overrides, how = prepare(args.variant, base_dir, args.work, shape, None)
     common = {"max_length": args.prompt_tokens + args.new_tokens + 8, "max_batch_size": 8}
     loaded, how = load_variant(args.variant, path, overrides, how, common)

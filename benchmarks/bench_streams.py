@@ -121,9 +121,7 @@ def measure(client: httpx.Client, aq_url: str, lcpp_url: str, n: int, args: Any)
 
 
 def main() -> None:
-    from synthetic_llama import SHAPES, write_synthetic
-
-    from attnquant_cli import demo_model_path
+    from synthetic_llama import SHAPES, cached_synthetic
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="300m")
@@ -139,9 +137,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
     work = args.work or Path(tempfile.mkdtemp(prefix="aq-bench-streams-"))
-    model = work / "float32"
-    if not (model / "config.json").exists():
-        write_synthetic(model, SHAPES[args.shape], demo_model_path())
+    model = cached_synthetic(work, SHAPES[args.shape])
     gguf = llamacpp.cached_gguf(model, work / "llamacpp", args.llamacpp)
     threads = os.cpu_count() or 1
     results: dict[str, object] = {"shape": args.shape, "tokens": args.tokens,

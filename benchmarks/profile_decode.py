@@ -96,9 +96,8 @@ def cpu_seconds(pid: int) -> float:
 
 def main() -> None:
     import bench_compressed as bc
-    from synthetic_llama import SHAPES, write_synthetic
+    from synthetic_llama import SHAPES, cached_synthetic
 
-    from attnquant_cli import demo_model_path
     from attnquant_cli._bench import prompt_ids
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,9 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     work = args.work or Path(tempfile.mkdtemp(prefix="aq-profile-"))
-    base_dir = work / "float32"
-    if not (base_dir / "config.json").exists():
-        write_synthetic(base_dir, shape, demo_model_path())
+    base_dir = cached_synthetic(work, shape)
     common = {"max_length": 128 + args.new_tokens, "max_batch_size": 1}
     if args.variant == "base":
         path, overrides, how = base_dir, {}, "float32, stock graph"

@@ -153,6 +153,17 @@ def pad_tokenizer(path: Path, vocab: int) -> None:
     path.write_text(json.dumps(tok, ensure_ascii=False))
 
 
+def cached_synthetic(work: Path, shape: ModelShape) -> Path:
+    """``work/float32``: the synthetic checkpoint of ``shape`` (the demo's tokenizer), written
+    unless a ``config.json`` is already there."""
+    from attnquant_cli import demo_model_path
+
+    directory = work / "float32"
+    if not (directory / "config.json").exists():
+        write_synthetic(directory, shape, demo_model_path())
+    return directory
+
+
 def write_synthetic(
     directory: Path, shape: ModelShape, tokenizer_from: Path, *, seed: int = 0
 ) -> Path:
