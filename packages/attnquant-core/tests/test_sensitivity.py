@@ -94,6 +94,25 @@ def test_sensitivity_file_round_trip_and_refusals(sensitized, tmp_path) -> None:
         read_sensitivity(bad)
 
 
+def test_a_failed_write_leaves_the_file_as_it_was(sensitized, tmp_path, monkeypatch) -> None:
+    """Sensitivity.write goes through write_atomic: a write that fails midway (a full disk)
+    leaves the earlier file whole and no temporary file beside it."""
+    *_, sens = sensitized
+    path = sens.write(tmp_path / "s.json")
+    before = path.read_bytes()
+
+    def half(self, text, *args, **kwargs):
+        Path.write_bytes(self, text[: len(text) // 2].encode())
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match="No space left"):
+        sens.write(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
+
+
 @pytest.mark.parametrize("forms", [("lowrank",), None])
 @pytest.mark.parametrize("budget", [0.3, 0.5, 0.8])
 def test_budget_is_respected(sensitized, tmp_path, budget, forms) -> None:

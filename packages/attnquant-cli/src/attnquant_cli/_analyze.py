@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from rich.table import Table
 
 from attnquant_core import FrontierPoint, SweepResult
+from attnquant_core.io import write_atomic
 
 __all__ = [
     "CSV_FIELDS",
@@ -32,16 +32,6 @@ __all__ = [
     "write_json",
     "write_plot",
 ]
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write`` on a temporary sibling of ``path``, then rename it into place."""
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # keeps the suffix (format)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 CSV_FIELDS = (

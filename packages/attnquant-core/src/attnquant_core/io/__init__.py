@@ -5,7 +5,8 @@
 * dense checkpoints: :func:`open_checkpoint`, :class:`Checkpoint`, the projection
   :data:`FAMILIES`;
 * the theta checkpoint (``attnquant.json`` plus theta keys): :class:`ThetaCheckpoint` to read,
-  :func:`save_theta` and the key and manifest helpers to write, :func:`atomic_directory`;
+  :func:`save_theta` and the key and manifest helpers to write, :func:`atomic_directory`
+  (:func:`write_atomic` for one file);
 * integrity: every tensor's digest, recorded at write, checked at read;
 * export: :func:`export_nvfp4` writes NVIDIA Model Optimizer's NVFP4 layout of the rebuilt
   weights (``hf_quant_config.json``), for servers that read it.
@@ -13,7 +14,7 @@
 Depends on :mod:`attnquant_core.forms`, never on :mod:`attnquant_core.fit`.
 """
 
-from ._atomic import atomic_directory, copy_side_files
+from ._atomic import atomic_directory, copy_side_files, write_atomic
 from ._checkpoint import (
     FAMILIES,
     INDEX_FILE,
@@ -119,4 +120,5 @@ __all__ = [
     "export_nvfp4",
     "hf_quant_config",
     "nvfp4_specs",
+    "write_atomic",
 ]

@@ -7,7 +7,7 @@ import glob
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .._errors import (
@@ -25,7 +25,19 @@ from ._safetensors import (
     DIGESTS_FILE,
 )
 
-__all__ = ["atomic_directory", "copy_side_files"]
+__all__ = ["atomic_directory", "copy_side_files", "write_atomic"]
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write`` on a temporary sibling of ``path``, then rename it into place: a failed
+    or killed write leaves ``path`` as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # keeps the suffix (format)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

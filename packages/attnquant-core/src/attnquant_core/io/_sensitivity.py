@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._atomic import write_atomic
 from ._calibration import CalibrationError
 
 __all__ = [
@@ -76,8 +77,10 @@ class Sensitivity:
         }
 
     def write(self, path: str | Path) -> Path:
+        """Write the file (atomically: a failed write leaves nothing at ``path``)."""
         path = Path(path)
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        text = json.dumps(self.to_json(), indent=1) + "\n"
+        write_atomic(path, lambda tmp: tmp.write_text(text))
         return path
 
 
