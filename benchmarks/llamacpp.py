@@ -103,12 +103,10 @@ def build(version: str = LLAMA_CPP_PYTHON, *, jobs: int | None = None) -> dict[s
     if not sdist.exists():
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-            if (
-                shutil.which("pip") is None
-                and subprocess.run(
-                    [sys.executable, "-m", "pip", "--version"], capture_output=True
-                ).returncode
-            ):
+            # A uv venv has no pip module (whatever pip is on PATH): ask uv for one then.
+            if subprocess.run(
+                [sys.executable, "-m", "pip", "--version"], capture_output=True
+            ).returncode:
                 pip = ["uv", "run", "--no-project", "--with", "pip", "python", *pip[1:]]
             subprocess.run([*pip, "-d", tmp, f"llama-cpp-python=={version}"], check=True)
             (got,) = Path(tmp).glob("*.tar.gz")
