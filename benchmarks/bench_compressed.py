@@ -28,6 +28,9 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 * ``nvfp4 per-member`` / ``nvfp4+head per-member``: q/k/v and gate/up one fused dispatch per
   member and a concat, where the rows above merge each group's packed weights at load into one
   dispatch (``NVFP4MergedLinear``): what merging buys, side by side;
+* ``nvfp4 int8`` / ``nvfp4+head int8``: the tiled rows with ``--nvfp4-int8``: decode steps
+  round the activations to int8 per block of 16 and multiply integers
+  (``generated_linear_nvfp4_tiled_a8``);
 * ``gguf q4_0`` / ``gguf q4_k``: what a CPU user picks instead for 4-bit: the same weights
   written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
   (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served
@@ -86,17 +89,20 @@ VARIANTS = (
     "nvfp4+r16 row-major",
     "nvfp4 per-member",
     "nvfp4+head per-member",
+    "nvfp4 int8",
+    "nvfp4+head int8",
     "gguf q4_0",
     "gguf q4_k",
     "llama.cpp f32",
     "llama.cpp q4_0",
     "llama.cpp q4_k_m",
 )
-#: Variant suffixes that serve the same weights another way: the serving option turned off,
+#: Variant suffixes that serve the same weights another way: the serving option, its value,
 #: and what the row says.
 LAYOUT_SUFFIXES = {
-    " row-major": ("nvfp4_tiled", "row-major layout"),
-    " per-member": ("nvfp4_merge", "one dispatch per q/k/v and gate/up member"),
+    " row-major": ("nvfp4_tiled", False, "row-major layout"),
+    " per-member": ("nvfp4_merge", False, "one dispatch per q/k/v and gate/up member"),
+    " int8": ("nvfp4_int8", True, "int8 activations in decode steps"),
 }
 PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
 
@@ -167,11 +173,11 @@ def prepare(
     from attnquant_core import decompose_budget
 
     # Suffixes first: "budget 0.5 custom-op+head" is the budget row with the head in NVFP4.
-    for suffix, (option, said) in LAYOUT_SUFFIXES.items():
+    for suffix, (option, value, said) in LAYOUT_SUFFIXES.items():
         if variant.endswith(suffix):
             base = variant.removesuffix(suffix)
             path, overrides, how = prepare(base, base_dir, work, shape, forms)
-            return path, {**overrides, option: False}, f"{how} ({said})"
+            return path, {**overrides, option: value}, f"{how} ({said})"
     if variant.endswith("+head"):
         base = variant.removesuffix("+head")
         path, overrides, how = prepare(base, base_dir, work, shape, forms)

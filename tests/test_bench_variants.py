@@ -1,7 +1,7 @@
 """What each row of ``benchmarks/bench_compressed.py`` serves: its checkpoint and config.
 
 A suffix names the same weights served another way ("+head": the head in NVFP4; "row-major",
-"per-member": a layout or dispatch switch turned off), so a suffix must reach every row it
+"per-member": a layout or dispatch switch turned off; "int8": int8 activations turned on), so a suffix must reach every row it
 can follow, a budget row's too. No checkpoint is written: the budget and NVFP4 + r16 rows find
 theirs already in the work folder.
 """
@@ -54,6 +54,17 @@ def work(tmp_path: Path) -> Path:
             },
         ),
         (
+            "nvfp4+head int8",
+            "base",
+            {
+                "path": "precompute-outside",
+                "quant": "nvfp4",
+                "nvfp4_kernel": "fused",
+                "quant_head": True,
+                "nvfp4_int8": True,
+            },
+        ),
+        (
             "nvfp4+r16 row-major",
             "nvfp4_r16",
             {"path": "in-graph", "nvfp4_kernel": "fused", "nvfp4_tiled": False},
@@ -71,7 +82,7 @@ def test_every_variant_serves_its_checkpoint_and_config(
     ServingOptions(**got)  # every override is a serving option
     if variant.endswith("+head") or "+head " in variant:
         assert "head NVFP4 too" in how
-    for suffix, (_, said) in bench_compressed.LAYOUT_SUFFIXES.items():
+    for suffix, (_, _, said) in bench_compressed.LAYOUT_SUFFIXES.items():
         assert (said in how) == variant.endswith(suffix)
 
 

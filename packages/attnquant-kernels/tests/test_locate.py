@@ -27,6 +27,7 @@ def test_every_op_has_its_source_and_registration():
         "nvfp4_dequantize",
         "generated_lowrank",
         "generated_linear_nvfp4_tiled",
+        "generated_linear_nvfp4_tiled_a8",
     )
     for op in ak.KERNEL_OPS:
         assert f"{op}.mojo" in names

@@ -23,8 +23,10 @@ from attnquant_kernels.testing import (
     OpModel,
     build_linear_nvfp4,
     build_linear_nvfp4_tiled,
+    build_linear_nvfp4_tiled_a8,
     check_linear_nvfp4,
     check_linear_nvfp4_tiled,
+    check_linear_nvfp4_tiled_a8,
     nvfp4_dequantize,
     nvfp4_random,
     theta,
@@ -259,3 +261,74 @@ def test_dequantize_wrapper_refuses_bad_static_shapes_and_dtypes(
         Graph("aq_nvfp4_dequantize_static", input_types=_types(shapes)) as g,
     ):
         g.output(nvfp4_dequantize(*(v.tensor for v in g.inputs), getattr(DType, dtype)))
+
+
+@pytest.fixture(scope="session")
+def linear_nvfp4_tiled_a8() -> OpModel:
+    """generated_linear_nvfp4_tiled_a8: the op and the plain projection (float32)."""
+    return build_linear_nvfp4_tiled_a8()
+
+
+#: (M, K, N, R) for int8 activations: below 8 rows the integer tiles (4, 2 and 1 rows at a
+#: time, with rows past the last tile of 16 in float), from 8 rows on the float op.
+A8_CASES = [
+    (1, 16, 16, 0),  # one block, one tile
+    (1, 16, 7, 16),  # no whole tile: every row in float
+    (1, 1024, 3072, 0),  # a merged q/k/v decode step
+    (1, 4096, 1030, 16),  # a down projection's decode, a 6-row tail in float
+    (3, 272, 80, 16),  # tiles of 2 and 1 input rows, 17 blocks
+    (7, 160, 130, 64),  # 4 + 2 + 1 input rows, largest rank, a 2-row tail
+    (8, 256, 48, 3),  # from 8 rows on: float
+    (16, 1024, 256, 16),  # panels: float
+]
+
+
+@pytest.mark.parametrize(("M", "K", "N", "R"), A8_CASES)
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_a8_matches_rounded_activations_then_identity(
+    linear_nvfp4_tiled_a8: OpModel, M: int, K: int, N: int, R: int
+):
+    """The integer op equals the float64 identity over x rounded to int8 per block of 16."""
+    check_linear_nvfp4_tiled_a8(linear_nvfp4_tiled_a8, M, K, N, R, seed=M * 1000 + R)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.integers(1, 12),
+    blocks=st.integers(1, 40),
+    N=st.integers(1, 100),
+    R=st.integers(0, MAX_RANK),
+    seed=st.integers(0, 2**16),
+    zero_block=st.booleans(),
+)
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_a8_random_shapes(
+    linear_nvfp4_tiled_a8: OpModel,
+    M: int,
+    blocks: int,
+    N: int,
+    R: int,
+    seed: int,
+    zero_block: bool,
+):
+    """Any shape, heavy-tailed inputs (one block of zeros where drawn: its step is 0)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_t(3, (M, 16 * blocks)).astype(np.float32)
+    if zero_block:
+        x[:, :16] = 0
+    check_linear_nvfp4_tiled_a8(linear_nvfp4_tiled_a8, M, 16 * blocks, N, R, seed, x=x)
+
+
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_a8_error_is_the_rounding_of_x(linear_nvfp4_tiled_a8: OpModel):
+    """Against the float projection the integer op's error is small but not zero: what
+    rounding x to int8 costs (a check that the op really rounds, and by how much)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 2048)).astype(np.float32)
+    weight, weight_scale, weight_scale_2 = nvfp4_random(rng, 512, 2048)
+    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2).astype(np.float64)
+    _, s, U, V = theta(rng, 512, 2048, 0)
+    _, y0 = linear_nvfp4_tiled_a8(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
+    exact = x.astype(np.float64) @ W.T
+    rel = np.abs(y0 - exact).max() / np.abs(exact).max()
+    assert 1e-4 < rel < 2e-2, rel

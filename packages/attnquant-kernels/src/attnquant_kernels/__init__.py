@@ -1,7 +1,7 @@
 """attnquant-kernels: Mojo kernels for the theta identity, shipped as package data.
 
 The kernels live in a Mojo package folder (``mojo/`` with an ``__init__.mojo``) that MAX compiles
-when a graph names it in ``custom_extensions``. They register six custom ops (:data:`KERNEL_OPS`):
+when a graph names it in ``custom_extensions``. They register seven custom ops (:data:`KERNEL_OPS`):
 
 * ``generated_linear``: ``y = s * (x @ W0^T) + (x @ V) @ U^T``, one dispatch per projection;
 * ``generated_mlp``: ``down(act(gate(x)) * up(x))`` over three theta projections, one dispatch;
@@ -12,7 +12,9 @@ when a graph names it in ``custom_extensions``. They register six custom ops (:d
 * ``generated_lowrank``: ``y = (x @ V) @ U^T``, a projection without ``W0`` (low rank, or a
   basis shared by a band on either side), any rank;
 * ``generated_linear_nvfp4_tiled``: ``generated_linear_nvfp4`` on the CPU over the tiled layout
-  of :func:`attnquant_kernels.layout.tile_nvfp4` (each tile of 16 rows one stream).
+  of :func:`attnquant_kernels.layout.tile_nvfp4` (each tile of 16 rows one stream);
+* ``generated_linear_nvfp4_tiled_a8``: the tiled op whose decode steps (below 8 rows) round the
+  activations to int8 per block of 16 inputs and multiply integers (W4A8, VNNI where present).
 
 The theta ops refuse a correction rank above :data:`MAX_RANK` (64) with an error naming the GEMM path
 (``ATTNQUANT_GEMM=1``). This module imports neither numpy nor MAX; the graph-building helpers

@@ -21,6 +21,7 @@ KERNEL_OPS: tuple[str, ...] = (
     "nvfp4_dequantize",
     "generated_lowrank",
     "generated_linear_nvfp4_tiled",
+    "generated_linear_nvfp4_tiled_a8",
 )
 
 #: Largest correction rank ``r`` the custom ops accept (the Mojo side refuses above it too).

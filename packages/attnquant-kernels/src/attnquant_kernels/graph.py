@@ -276,6 +276,7 @@ def generated_linear_nvfp4(
     V: TensorValueLike | None = None,
     *,
     tiled: bool = False,
+    activations: str = "float",
 ) -> TensorValue:
     """``y = s * (x @ W^T) + (x @ V) @ U^T`` with ``W`` held as NVFP4, one dispatch.
 
@@ -306,6 +307,12 @@ def generated_linear_nvfp4(
         :func:`attnquant_kernels.layout.tile_nvfp4` (same shapes): the CPU op
         ``generated_linear_nvfp4_tiled``, whose decode step reads each tile of 16 rows as one
         stream (on AVX-512 1.3-1.4x the row-major op's speed at one row). CPU only.
+    activations : {"float", "int8"}
+        ``"int8"`` (tiled only): below 8 rows the op rounds each row of ``x`` to int8 per
+        block of 16 inputs (``amax / 127``) and multiplies integers
+        (``generated_linear_nvfp4_tiled_a8``, AVX-512 VNNI where the CPU has it): ``y`` is then
+        the projection of ``x`` so rounded, no longer equal to the float one to 1e-4. From 8
+        rows on, as ``"float"``.
 
     Returns
     -------
@@ -320,7 +327,17 @@ def generated_linear_nvfp4(
         A dtype or a static shape that does not fit the layout, in one line; ``tiled`` on
         an accelerator.
     """
+    if activations not in ("float", "int8"):
+        raise ValueError(
+            f"generated_linear_nvfp4: activations {activations!r}, not 'float' or 'int8'"
+        )
+    if activations == "int8" and not tiled:
+        raise ValueError(
+            "generated_linear_nvfp4: int8 activations read the tiled layout (tiled=True)"
+        )
     op = "generated_linear_nvfp4_tiled" if tiled else "generated_linear_nvfp4"
+    if activations == "int8":
+        op += "_a8"
     x = TensorValue(x)
     _check_x(x, op)
     if tiled and x.device.device_type.value != "cpu":

@@ -87,6 +87,8 @@ class ThetaBuilder:
     nvfp4_tiled : bool
         Fused on the CPU: the packed ``W0`` are held in the tiled layout
         (:func:`attnquant_max._nvfp4_layers.nvfp4_tiled`).
+    nvfp4_int8 : bool
+        Tiled: int8 activations below 8 rows (``--nvfp4-int8``).
     """
 
     def __init__(
@@ -99,10 +101,12 @@ class ThetaBuilder:
         device: DeviceRef,
         nvfp4_fused: bool = False,
         nvfp4_tiled: bool = False,
+        nvfp4_int8: bool = False,
     ) -> None:
         self.layout = layout
         self.nvfp4_fused = nvfp4_fused
         self.nvfp4_tiled = nvfp4_tiled
+        self.nvfp4_int8 = nvfp4_int8
         self.shapes = dict(shapes)
         self.dtype, self.device = dtype, device
         self.num_layers = num_layers
@@ -188,6 +192,7 @@ class ThetaBuilder:
             device=self.device,
             fused=self.nvfp4_fused,
             tiled=self.nvfp4_tiled,
+            int8=self.nvfp4_int8,
             band=(w, ws, ws2),
             theta=True,
             rank=how.rank,

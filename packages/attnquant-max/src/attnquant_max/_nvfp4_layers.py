@@ -139,6 +139,9 @@ class NVFP4Linear(Module):
         Fused on the CPU: the packed weight and scales hold the tiled layout
         (:func:`attnquant_kernels.layout.tile_nvfp4`, written at load by the model's owner),
         read by ``generated_linear_nvfp4_tiled`` (:func:`nvfp4_tiled`).
+    int8 : bool
+        Tiled: below 8 rows the op rounds the activations to int8 per block of 16 inputs and
+        multiplies integers (``generated_linear_nvfp4_tiled_a8``, ``--nvfp4-int8``).
     """
 
     def __init__(
@@ -154,12 +157,15 @@ class NVFP4Linear(Module):
         rank: int = 0,
         dense_from_rows: int | Literal["auto"] | None = "auto",
         tiled: bool = False,
+        int8: bool = False,
     ) -> None:
         super().__init__()
         check_nvfp4_shape((out_dim, in_dim))
         if tiled and not (fused and device.device_type.value == "cpu"):
             raise ValueError("NVFP4Linear: the tiled layout is read by the fused op on the CPU")
-        self.tiled = tiled
+        if int8 and not tiled:
+            raise ValueError("NVFP4Linear: int8 activations are read by the tiled op (tiled=True)")
+        self.tiled, self.int8 = tiled, int8
         if dense_from_rows == "auto":
             dense_from_rows = None if device.device_type.value == "cpu" else DENSE_FROM_ROWS
         self.dense_from_rows = dense_from_rows
@@ -249,7 +255,15 @@ class NVFP4Linear(Module):
         in_kernel = 0 < self.rank <= MAX_RANK
         U = TensorValue(self.theta_U).to(flat.device) if in_kernel else None
         V = TensorValue(self.theta_V).to(flat.device) if in_kernel else None
-        y = generated_linear_nvfp4(flat, *self._packed(flat.device), s, U, V, tiled=self.tiled)
+        y = generated_linear_nvfp4(
+            flat,
+            *self._packed(flat.device),
+            s,
+            U,
+            V,
+            tiled=self.tiled,
+            activations="int8" if self.int8 else "float",
+        )
         if self.rank > MAX_RANK:
             y = y + self.correction(flat)
         return y
@@ -366,6 +380,7 @@ class NVFP4MergedLinear(NVFP4Linear):
         device: DeviceRef,
         fused: bool = False,
         tiled: bool = False,
+        int8: bool = False,
     ) -> None:
         if dtype != DType.float32:
             raise ValueError(
@@ -373,7 +388,14 @@ class NVFP4MergedLinear(NVFP4Linear):
                 "would round the members' per-tensor scales"
             )
         super().__init__(
-            in_dim, sum(out_dims), dtype=dtype, device=device, fused=fused, theta=True, tiled=tiled
+            in_dim,
+            sum(out_dims),
+            dtype=dtype,
+            device=device,
+            fused=fused,
+            theta=True,
+            tiled=tiled,
+            int8=int8,
         )
         self.out_dims = list(out_dims)
 

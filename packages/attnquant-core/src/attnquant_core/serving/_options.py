@@ -122,6 +122,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "AVX-512 (same bytes); off keeps them row-major.",
     ),
     OptionSpec(
+        "nvfp4_int8",
+        "--nvfp4-int8/--no-nvfp4-int8",
+        "ATTNQUANT_NVFP4_INT8",
+        "0",
+        "Fused NVFP4 on the tiled layout: decode steps (below 8 rows) round the activations to "
+        "int8 per block of 16 inputs and multiply integers (AVX-512 VNNI where the CPU has it): "
+        "faster, no longer equal to the float projection (docs/decode-speed.md).",
+    ),
+    OptionSpec(
         "nvfp4_merge",
         "--nvfp4-merge/--no-nvfp4-merge",
         "ATTNQUANT_NVFP4_MERGE",
@@ -186,7 +195,7 @@ def _whole_number(name: str, raw: str, *, minimum: int, allowed: str) -> int:
     return value
 
 
-_BOOLS = ("quant_head", "nvfp4_tiled", "nvfp4_merge", "qkv_fuse", "fused_mlp")
+_BOOLS = ("quant_head", "nvfp4_tiled", "nvfp4_int8", "nvfp4_merge", "qkv_fuse", "fused_mlp")
 _BLOCKS_ALLOWED = "a whole number >= 1, or 'layers' for passthrough (one block per layer)"
 
 
@@ -241,6 +250,8 @@ class ServingOptions:
         How NVFP4 projections run.
     nvfp4_tiled, nvfp4_merge : bool
         Fused NVFP4: the tiled layout where the CPU has it; q/k/v and gate/up merged.
+    nvfp4_int8 : bool
+        Fused NVFP4 on the tiled layout: int8 activations below 8 rows.
     qkv_fuse, fused_mlp : bool
         GEMM path: q/k/v and gate/up batched; custom op: the MLP in one dispatch.
     """
@@ -252,6 +263,7 @@ class ServingOptions:
     quant_head: bool = False
     nvfp4_kernel: NVFP4Kernel = "auto"
     nvfp4_tiled: bool = True
+    nvfp4_int8: bool = False
     nvfp4_merge: bool = True
     qkv_fuse: bool = True
     fused_mlp: bool = True

@@ -50,7 +50,7 @@ struct GeneratedLinearNVFP4:
 
 
 def execute_nvfp4[
-    target: StaticString, tiled: Bool
+    target: StaticString, tiled: Bool, a8: Bool = False
 ](
     y: OutputTensor[rank=2, ...],
     x: InputTensor[dtype=y.dtype, rank=2, ...],
@@ -101,7 +101,7 @@ def execute_nvfp4[
     var ys = y.stride_length(0)
 
     comptime if is_cpu[target]():
-        nvfp4_linear_cpu[x.dtype, s.dtype, y.dtype, tiled](
+        nvfp4_linear_cpu[x.dtype, s.dtype, y.dtype, tiled, a8](
             x.unsafe_ptr(),
             xs,
             M,

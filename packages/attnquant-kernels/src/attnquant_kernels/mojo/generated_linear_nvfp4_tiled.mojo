@@ -28,3 +28,4 @@ struct GeneratedLinearNVFP4Tiled:
         ctx: DeviceContext,
     ) raises:
         execute_nvfp4[target, True](y, x, w, scale, scale_2, s, u, v, ctx)
+

@@ -25,8 +25,11 @@ __all__ = [
     "E2M1",
     "build_linear_nvfp4",
     "build_linear_nvfp4_tiled",
+    "build_linear_nvfp4_tiled_a8",
     "check_linear_nvfp4",
     "check_linear_nvfp4_tiled",
+    "check_linear_nvfp4_tiled_a8",
+    "quantize_activations_a8",
     "nvfp4_dequantize",
     "nvfp4_random",
 ]
@@ -203,3 +206,65 @@ def check_linear_nvfp4_tiled(model: OpModel, M: int, K: int, N: int, R: int, see
     _, s, U, V = theta(rng, N, K, R)
     outputs = model(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
     _close_nvfp4(outputs, x, W, s, U, V, f"cpu linear_nvfp4_tiled M={M} K={K} N={N}")
+
+
+def quantize_activations_a8(x: np.ndarray) -> np.ndarray:
+    """``x [M, K]`` (float32) as ``generated_linear_nvfp4_tiled_a8`` rounds it, back in float64:
+    per row and block of 16 inputs ``q = rint(x * (127 / amax))`` (ties to even, float32
+    arithmetic), times ``amax / 127``; an all-zero block stays zero."""
+    M, K = x.shape
+    blocks = np.asarray(x, np.float32).reshape(M, K // 16, 16)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv)
+    assert np.abs(q).max(initial=0) <= 127
+    return (q.astype(np.float64) * (amax.astype(np.float64) / 127)).reshape(M, K)
+
+
+def build_linear_nvfp4_tiled_a8() -> OpModel:
+    """``generated_linear_nvfp4_tiled_a8`` on the CPU, every dimension symbolic, inputs as
+    :func:`build_linear_nvfp4_tiled`'s; outputs the op and the plain projection (float32)."""
+    from max.graph import DeviceRef, Graph
+
+    from .. import kernels_path
+    from ..graph import generated_linear_nvfp4
+
+    types = _nvfp4_input_types(DeviceRef.CPU())
+    with Graph(
+        _graph_name("linear_nvfp4_tiled_a8", "cpu"),
+        input_types=types,
+        custom_extensions=[kernels_path()],
+    ) as g:
+        x, w, ws, ws2, s, U, V = (v.tensor for v in g.inputs)
+        g.output(
+            generated_linear_nvfp4(x, w, ws, ws2, s, U, V, tiled=True, activations="int8"),
+            generated_linear_nvfp4(x, w, ws, ws2, tiled=True, activations="int8"),
+        )
+    return session_model(g, "cpu")
+
+
+def check_linear_nvfp4_tiled_a8(
+    model: OpModel, M: int, K: int, N: int, R: int, seed: int = 0, *, x: np.ndarray | None = None
+) -> None:
+    """One random case of :func:`build_linear_nvfp4_tiled_a8`'s model against the float64
+    identity: below 8 rows the rows of whole tiles of 16 take ``x`` rounded as
+    :func:`quantize_activations_a8` does (the correction ``(x V) U^T`` and the rows past the
+    last tile take float ``x``); from 8 rows on, every row takes float ``x``."""
+    from ..layout import tile_nvfp4
+
+    rng = np.random.default_rng(seed)
+    if x is None:
+        x = rng.standard_normal((M, K)).astype(np.float32)
+    weight, weight_scale, weight_scale_2 = nvfp4_random(rng, N, K)
+    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2).astype(np.float64)
+    _, s, U, V = theta(rng, N, K, R)
+    y, y0 = model(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
+    xq = quantize_activations_a8(x) if M < 8 else x.astype(np.float64)
+    tiles = N // 16 * 16
+    plain = x.astype(np.float64) @ W.T
+    plain[:, :tiles] = xq @ W[:tiles].T
+    want = s.astype(np.float64) * plain + (x.astype(np.float64) @ V) @ U.T.astype(np.float64)
+    what = f"cpu linear_nvfp4_tiled_a8 M={M} K={K} N={N}"
+    close(y, want, F32_RTOL, f"{what} r={R}")
+    close(y0, plain, F32_RTOL, f"{what} plain (s=U=V=None)")

@@ -118,6 +118,7 @@ class ThetaLlama3(Llama3):
         )
         self.needs_kernels = fused
         self.nvfp4_tiled = fused and options.nvfp4_tiled and nvfp4_tiled(config.devices[0])
+        self.nvfp4_int8 = _nvfp4_int8(options, self.nvfp4_tiled)
         builder = ThetaBuilder(
             layout,
             num_layers=config.num_hidden_layers,
@@ -126,6 +127,7 @@ class ThetaLlama3(Llama3):
             device=config.devices[0],
             nvfp4_fused=fused,
             nvfp4_tiled=self.nvfp4_tiled,
+            nvfp4_int8=self.nvfp4_int8,
         )
         for i, block in enumerate(self.layers):
             block.self_attn.replace_module("qkv_proj", builder.stacked(QKV, i))
@@ -134,7 +136,7 @@ class ThetaLlama3(Llama3):
         self.attnquant_blocks = builder.bank
         self.layout = layout
         if head:
-            _nvfp4_head(self, config, fused=fused, tiled=self.nvfp4_tiled)
+            _nvfp4_head(self, config, fused=fused, tiled=self.nvfp4_tiled, int8=self.nvfp4_int8)
 
 
 class NVFP4Llama3(Llama3):
@@ -161,12 +163,13 @@ class NVFP4Llama3(Llama3):
         fused = _nvfp4_kernel_fused(device, shapes, options.nvfp4_kernel)
         self.needs_kernels = fused
         self.nvfp4_tiled = tiled = fused and options.nvfp4_tiled and nvfp4_tiled(device)
+        self.nvfp4_int8 = int8 = _nvfp4_int8(options, tiled)
         self.nvfp4_merged = merged = fused and options.nvfp4_merge and _nvfp4_merged(dtype)
 
         def linear(family: str) -> NVFP4Linear:
             out_dim, in_dim = shapes[family]
             return NVFP4Linear(
-                in_dim, out_dim, dtype=dtype, device=device, fused=fused, tiled=tiled
+                in_dim, out_dim, dtype=dtype, device=device, fused=fused, tiled=tiled, int8=int8
             )
 
         def stacked(families: tuple[str, ...]) -> NVFP4MergedLinear | NVFP4StackedLinear:
@@ -174,7 +177,13 @@ class NVFP4Llama3(Llama3):
                 out_dims = [shapes[f][0] for f in families]
                 in_dim = shapes[families[0]][1]
                 return NVFP4MergedLinear(
-                    in_dim, out_dims, dtype=dtype, device=device, fused=True, tiled=tiled
+                    in_dim,
+                    out_dims,
+                    dtype=dtype,
+                    device=device,
+                    fused=True,
+                    tiled=tiled,
+                    int8=int8,
                 )
             names = [f.split(".")[-1] for f in families]
             return NVFP4StackedLinear([linear(f) for f in families], names)
@@ -185,7 +194,18 @@ class NVFP4Llama3(Llama3):
             mlp = ThetaMLP(stacked(GATE_UP), linear("mlp.down_proj"))  # type: ignore[arg-type]
             block.replace_module("mlp", mlp)
         if head:
-            _nvfp4_head(self, config, fused=fused, tiled=tiled)
+            _nvfp4_head(self, config, fused=fused, tiled=tiled, int8=int8)
+
+
+def _nvfp4_int8(options: ServingOptions, tiled: bool) -> bool:
+    """``--nvfp4-int8`` where it can run: on the tiled layout (fused, a CPU with AVX-512);
+    elsewhere the float op serves, and a warning says so."""
+    if options.nvfp4_int8 and not tiled:
+        logger.warning(
+            "--nvfp4-int8: int8 activations run on the tiled NVFP4 layout (fused op, a CPU "
+            "with AVX-512); serving float activations"
+        )
+    return options.nvfp4_int8 and tiled
 
 
 def _nvfp4_merged(dtype: Any) -> bool:
@@ -203,7 +223,9 @@ MERGED = {"self_attn.qkv_proj": QKV, "mlp.gate_up_proj": GATE_UP}
 MERGED_NAMES = ("weight", "weight_scale", "weight_scale_2", "theta_s")
 
 
-def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool, tiled: bool) -> None:
+def _nvfp4_head(
+    model: Llama3, config: Llama3Config, *, fused: bool, tiled: bool, int8: bool = False
+) -> None:
     """Swap the stock head for an NVFP4 one (``--quant-head``): weights
     ``lm_head.weight``, ``weight_scale``, ``weight_scale_2``, run as the projections run. A tied
     head stops sharing the embedding's weight: the embedding keeps its float table."""
@@ -216,6 +238,7 @@ def _nvfp4_head(model: Llama3, config: Llama3Config, *, fused: bool, tiled: bool
             device=config.devices[0],
             fused=fused,
             tiled=tiled,
+            int8=int8,
         ),
     )
 

@@ -1,0 +1,228 @@
+# attnquant kernels: the NVFP4 decode step with int8 activations (W4A8), on the tiled layout.
+#
+# The float tile (_nvfp4_lanes.mojo) spends about 3 vector instructions per 16 weights: a
+# shift, a `vpermps` lookup and an FMA. On this project's 2-core AVX-512 machine one thread
+# decodes 7.8 GB/s of NVFP4 that way, so two threads are compute-bound below the memory's
+# 25 GB/s. Here the activations are rounded to int8 first, as llama.cpp's Q8 activations are,
+# and the codes become bytes:
+#
+# * x, per row and block of 16 inputs: `xs = amax / 127`, `q = roundeven(x * (127 / amax))`
+#   (int8, |q| <= 127), stored so that each 32-bit word holds the 4 even or the 4 odd inputs
+#   of a group of 8 (the order of the low and high nibbles of a tiled word);
+# * a tiled word vector (16 rows x 8 codes, 64 bytes): low and high nibbles split with one
+#   shift and two masks, each looked up as `2 * E2M1 + 12` (0..24, unsigned) with one
+#   `vpshufb`; then one `vpdpbusd` each against the 4 int8 inputs broadcast: 64 products;
+# * per block: `dot - 12 * sum(q)` (the offset), converted to float and multiplied by the
+#   block's E4M3 scales times `xs / 2` (the codes are twice E2M1).
+#
+# About 7 instructions per 128 weights in the loop and 6 per block of 256. The integer dot
+# products are exact, so the op computes `s * scale_2 * <W', x_q> + <U, t>` where `x_q` is x
+# rounded as above: its error against float activations is that rounding, half an int8 step
+# of each block's largest input. `t = x @ V` keeps the float inputs.
+#
+# Off AVX-512 VNNI (and BW) the same integers are computed lane by lane: the op gives the same
+# results on every CPU, slowly.
+
+from std.collections import Array
+from std.math import fma
+from std.memory import bitcast
+from std.sys import CompilationTarget, PrefetchOptions, llvm_intrinsic, prefetch
+
+from ._common import F32, Ptr
+from ._nvfp4 import QBLOCK, U8, _nvfp4_store, e4m3
+from ._nvfp4_lanes import LANES, TILED_AHEAD, TILED_FAR, U32
+
+comptime I8 = DType.int8
+comptime I32 = DType.int32
+# Bytes of a tiled word vector: 16 rows x 4 bytes.
+comptime WORD_BYTES = 64
+# The code offset that makes every looked-up weight unsigned: 2 * E2M1 + OFFSET in 0..24.
+comptime OFFSET = 12
+# 2 * E2M1 + 12 for the 16 codes (code 8 is -0), four times: `vpshufb` looks up per 16 bytes.
+comptime E2M1_U8 = SIMD[U8, 16](12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
+
+# `vpdpbusd` and `vpshufb` on 512 bits.
+# (Every CPU with AVX-512 VNNI has AVX-512 BW.)
+comptime A8_VNNI = CompilationTarget.has_avx512f() and CompilationTarget.has_vnni()
+
+
+@always_inline
+def _lookup(codes: SIMD[U8, 64]) -> SIMD[U8, 64]:
+    """`2 * E2M1 + 12` of the low 4 bits of each byte (the high 4 bits must be 0)."""
+    comptime table = E2M1_U8.join(E2M1_U8).join(E2M1_U8.join(E2M1_U8))
+    comptime if A8_VNNI:
+        return llvm_intrinsic["llvm.x86.avx512.pshuf.b.512", SIMD[U8, 64]](table, codes)
+    else:
+        var out = SIMD[U8, 64](0)
+        comptime for q in range(64):
+            out[q] = E2M1_U8[Int(codes[q])]
+        return out
+
+
+@always_inline
+def _dot4(acc: SIMD[I32, LANES], w: SIMD[U8, 64], x4: Int32) -> SIMD[I32, LANES]:
+    """`acc[i] += sum_j w[4 i + j] * x[j]`, `x` the 4 int8 of `x4` (byte j: x[j])."""
+    comptime if A8_VNNI:
+        return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", SIMD[I32, LANES]](
+            acc, bitcast[I8, 64](w), bitcast[I8, 64](SIMD[I32, LANES](x4))
+        )
+    else:
+        var words = bitcast[U32, LANES](w)
+        var out = acc
+        comptime for j in range(4):
+            var xj = (x4 << Int32(24 - 8 * j)) >> Int32(24)  # byte j, sign-extended
+            out += ((words >> UInt32(8 * j)) & 0xFF).cast[I32]() * xj
+        return out
+
+
+def quantize_rows_a8[
+    xdt: DType
+](
+    x: Ptr[xdt],
+    xs: Int,
+    M: Int,
+    K: Int,
+    q: Ptr[I8],
+    scale: Ptr[F32],
+    offset: Ptr[I32],
+):
+    """Rows of x in int8 per block of 16 inputs, in the order the tiles read.
+
+    `q[m * K + 16 b + 8 h + 4 p + i]` = the rounded input `16 b + 8 h + 2 i + p` (group h of the
+    block, p = 0 the even inputs, 1 the odd); `scale[m * K/16 + b]` = the block's step over 2
+    (`amax / 254`: the codes are twice E2M1), `offset[m * K/16 + b]` = 12 * the sum of its q.
+    """
+    var nb = K // QBLOCK
+    for m in range(M):
+        for b in range(nb):
+            var v = SIMD[F32, QBLOCK](0)
+            comptime for i in range(QBLOCK):
+                v[i] = x.unsafe_load(m * xs + b * QBLOCK + i).cast[F32]()
+            var amax = abs(v).reduce_max()
+            var inv = Float32(127) / amax if amax > 0 else Float32(0)
+            var r = llvm_intrinsic["llvm.roundeven", SIMD[F32, QBLOCK]](v * inv).cast[I32]()
+            var total = Int32(0)
+            comptime for h in range(2):
+                comptime for p in range(2):
+                    comptime for i in range(4):
+                        var value = r[8 * h + 2 * i + p]
+                        total += value
+                        q.unsafe_store(m * K + b * QBLOCK + 8 * h + 4 * p + i, value.cast[I8]())
+            scale.unsafe_store(m * nb + b, amax / Float32(254))
+            offset.unsafe_store(m * nb + b, total * OFFSET)
+
+
+@always_inline
+def _a8_tile[
+    sdt: DType, odt: DType, mr: Int
+](
+    q: Ptr[I8],
+    xscale: Ptr[F32],
+    xoffset: Ptr[I32],
+    w: Ptr[U8],
+    ws: Int,
+    scale: Ptr[U8],
+    ss: Int,
+    scale_2: Float32,
+    s: Ptr[sdt],
+    s_step: Int,
+    u: Ptr[sdt],
+    us: Int,
+    t: Ptr[F32],
+    r: Int,
+    dst: Ptr[odt],
+    os: Int,
+    K: Int,
+    m: Int,
+    n: Int,
+):
+    """Outputs [m, m + mr) x [n, n + 16) of one tile of the tiled layout, int8 activations."""
+    var nb = K // QBLOCK
+    var wn = w.unsafe_offset(n * ws)
+    var sn = scale.unsafe_offset(n * ss)
+    # Two float sums per row (even and odd blocks), so consecutive blocks' FMAs overlap.
+    var acc = Array[SIMD[F32, LANES], 2 * mr](fill=0)
+    for b in range(nb):
+        var base = wn.unsafe_offset(b * 2 * WORD_BYTES)
+        var dots = Array[SIMD[I32, LANES], 2 * mr](fill=0)
+        comptime for h in range(2):
+            var words = base.unsafe_load[width=64](h * WORD_BYTES)
+            prefetch[PrefetchOptions().for_read().high_locality()](
+                base.unsafe_offset(TILED_AHEAD + h * WORD_BYTES)
+            )
+            prefetch[PrefetchOptions().for_read().medium_locality()](
+                base.unsafe_offset(TILED_FAR + h * WORD_BYTES)
+            )
+            var lo = _lookup(words & 0x0F)
+            var hi = _lookup(
+                bitcast[U8, 64](bitcast[DType.uint16, 32](words) >> 4) & 0x0F
+            )
+            comptime for j in range(mr):
+                var qx = q.unsafe_offset(
+                    (m + j) * K + b * QBLOCK + 8 * h
+                ).unsafe_bitcast[Int32]()
+                dots[2 * j + h] = _dot4(dots[2 * j + h], lo, qx.unsafe_load(0))
+                dots[2 * j + h] = _dot4(dots[2 * j + h], hi, qx.unsafe_load(1))
+        var sc = e4m3[LANES](sn.unsafe_load[width=LANES](b * LANES).cast[U32]())
+        comptime for j in range(mr):
+            var row = (m + j) * nb + b
+            var dot = dots[2 * j] + dots[2 * j + 1] - xoffset.unsafe_load(row)
+            acc[2 * j + b % 2] = fma(
+                dot.cast[F32](), sc * xscale.unsafe_load(row), acc[2 * j + b % 2]
+            )
+    var d = Array[Float32, mr * LANES](fill=0)
+    comptime for j in range(mr):
+        var total = acc[2 * j] + acc[2 * j + 1]
+        comptime for i in range(LANES):
+            d[j * LANES + i] = total[i]
+    _nvfp4_store[sdt, odt, mr, LANES](d, scale_2, s, s_step, u, us, t, r, r, dst, os, m, n)
+
+
+def nvfp4_a8_rows[
+    sdt: DType, odt: DType
+](
+    q: Ptr[I8],
+    xscale: Ptr[F32],
+    xoffset: Ptr[I32],
+    w: Ptr[U8],
+    ws: Int,
+    scale: Ptr[U8],
+    ss: Int,
+    scale_2: Float32,
+    s: Ptr[sdt],
+    s_step: Int,
+    u: Ptr[sdt],
+    us: Int,
+    t: Ptr[F32],
+    r: Int,
+    dst: Ptr[odt],
+    os: Int,
+    K: Int,
+    m0: Int,
+    m1: Int,
+    n0: Int,
+    n1: Int,
+):
+    """Outputs [m0, m1) x [n0, n1) on the calling thread (whole tiles of the tiled layout),
+    from the rows quantized by `quantize_rows_a8`; up to 4 rows share each decoded word."""
+    var n = n0
+    while n < n1:
+        var m = m0
+        while m + 4 <= m1:
+            _a8_tile[sdt, odt, 4](
+                q, xscale, xoffset, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst,
+                os, K, m, n,
+            )
+            m += 4
+        if m + 2 <= m1:
+            _a8_tile[sdt, odt, 2](
+                q, xscale, xoffset, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst,
+                os, K, m, n,
+            )
+            m += 2
+        if m < m1:
+            _a8_tile[sdt, odt, 1](
+                q, xscale, xoffset, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst,
+                os, K, m, n,
+            )
+        n += LANES
