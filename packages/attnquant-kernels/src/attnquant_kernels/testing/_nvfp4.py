@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,6 +85,22 @@ def _nvfp4_input_types(dev: Any) -> list[Any]:
     return [TensorType(dtype, shape, device=dev) for dtype, shape in shapes]
 
 
+def _nvfp4_op_model(name: str, device: Device, outputs: Callable[..., Sequence[Any]]) -> OpModel:
+    """The NVFP4 op models' one graph: inputs :func:`_nvfp4_input_types`, the outputs
+    ``outputs(x, w, ws, ws2, s, U, V)`` builds from them, compiled on ``device``."""
+    from max.graph import DeviceRef, Graph
+
+    from .. import kernels_path
+
+    dev = DeviceRef.GPU() if device == "gpu" else DeviceRef.CPU()
+    types = _nvfp4_input_types(dev)
+    with Graph(
+        _graph_name(name, device), input_types=types, custom_extensions=[kernels_path()]
+    ) as g:
+        g.output(*outputs(*(v.tensor for v in g.inputs)))
+    return session_model(g, device)
+
+
 def build_linear_nvfp4(device: Device = "cpu") -> OpModel:
     """``generated_linear_nvfp4``, every dimension symbolic, compiled on ``device``.
 
@@ -96,26 +112,22 @@ def build_linear_nvfp4(device: Device = "cpu") -> OpModel:
     in bfloat16 (``transposed``, cast back to float32).
     """
     from max.dtype import DType
-    from max.graph import DeviceRef, Graph
 
-    from .. import kernels_path
     from ..graph import generated_linear_nvfp4, nvfp4_dequantize
 
     _check_device(device)
-    dev = DeviceRef.GPU() if device == "gpu" else DeviceRef.CPU()
-    types = _nvfp4_input_types(dev)
-    name = _graph_name("linear_nvfp4", device)
-    with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as g:
-        x, w, ws, ws2, s, U, V = (v.tensor for v in g.inputs)
+
+    def outputs(x, w, ws, ws2, s, U, V):
         xb, sb, Ub, Vb = _bf16([x, s, U, V])
-        g.output(
+        return (
             generated_linear_nvfp4(x, w, ws, ws2, s, U, V),
             generated_linear_nvfp4(x, w, ws, ws2),
             _f32(generated_linear_nvfp4(xb, w, ws, ws2, sb, Ub, Vb)),
             nvfp4_dequantize(w, ws, ws2),
             _f32(nvfp4_dequantize(w, ws, ws2, DType.bfloat16, transposed=True)),
         )
-    return session_model(g, device)
+
+    return _nvfp4_op_model("linear_nvfp4", device, outputs)
 
 
 def check_linear_nvfp4(
@@ -173,25 +185,17 @@ def build_linear_nvfp4_tiled() -> OpModel:
     :func:`build_linear_nvfp4`'s (``weight`` and ``weight_scale`` in the tiled layout of
     :func:`attnquant_kernels.layout.tile_nvfp4`); outputs the op (float32), the plain NVFP4
     projection, and the op on bfloat16 ``x``, ``s``, ``U``, ``V`` (cast back to float32)."""
-    from max.graph import DeviceRef, Graph
-
-    from .. import kernels_path
     from ..graph import generated_linear_nvfp4
 
-    types = _nvfp4_input_types(DeviceRef.CPU())
-    with Graph(
-        _graph_name("linear_nvfp4_tiled", "cpu"),
-        input_types=types,
-        custom_extensions=[kernels_path()],
-    ) as g:
-        x, w, ws, ws2, s, U, V = (v.tensor for v in g.inputs)
+    def outputs(x, w, ws, ws2, s, U, V):
         xb, sb, Ub, Vb = _bf16([x, s, U, V])
-        g.output(
+        return (
             generated_linear_nvfp4(x, w, ws, ws2, s, U, V, tiled=True),
             generated_linear_nvfp4(x, w, ws, ws2, tiled=True),
             _f32(generated_linear_nvfp4(xb, w, ws, ws2, sb, Ub, Vb, tiled=True)),
         )
-    return session_model(g, "cpu")
+
+    return _nvfp4_op_model("linear_nvfp4_tiled", "cpu", outputs)
 
 
 def check_linear_nvfp4_tiled(model: OpModel, M: int, K: int, N: int, R: int, seed: int = 0) -> None:
@@ -225,23 +229,15 @@ def quantize_activations_a8(x: np.ndarray) -> np.ndarray:
 def build_linear_nvfp4_tiled_a8() -> OpModel:
     """``generated_linear_nvfp4_tiled_a8`` on the CPU, every dimension symbolic, inputs as
     :func:`build_linear_nvfp4_tiled`'s; outputs the op and the plain projection (float32)."""
-    from max.graph import DeviceRef, Graph
-
-    from .. import kernels_path
     from ..graph import generated_linear_nvfp4
 
-    types = _nvfp4_input_types(DeviceRef.CPU())
-    with Graph(
-        _graph_name("linear_nvfp4_tiled_a8", "cpu"),
-        input_types=types,
-        custom_extensions=[kernels_path()],
-    ) as g:
-        x, w, ws, ws2, s, U, V = (v.tensor for v in g.inputs)
-        g.output(
+    def outputs(x, w, ws, ws2, s, U, V):
+        return (
             generated_linear_nvfp4(x, w, ws, ws2, s, U, V, tiled=True, activations="int8"),
             generated_linear_nvfp4(x, w, ws, ws2, tiled=True, activations="int8"),
         )
-    return session_model(g, "cpu")
+
+    return _nvfp4_op_model("linear_nvfp4_tiled_a8", "cpu", outputs)
 
 
 def check_linear_nvfp4_tiled_a8(
