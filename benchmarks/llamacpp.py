@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -66,6 +67,19 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # static: the finished tree is renamed into place
 )
+#: Added on x86-64: the native build without AMX. Where the CPU reports AMX (a Sapphire Rapids
+#: guest, 2026-12-04), ggml's AMX matmul faults in ``ldtilecfg`` on the first Q4_K_M forward
+#: (``llama-bench`` and ``llama-server`` die with SIGSEGV in ``ggml_backend_amx_mul_mat``), though
+#: a plain ``ldtilecfg`` runs there; batch-1 decode takes the AVX-512 VNNI GEMV either way.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_flags() -> list[str]:
+    """The configure flags of this machine's build: :data:`CMAKE_FLAGS`, and AMX off on x86-64."""
+    flags = list(CMAKE_FLAGS)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    return flags
 
 
 def cache_root() -> Path:
@@ -87,7 +101,8 @@ def tool(name: str, version: str = LLAMA_CPP_PYTHON) -> Path:
 
 
 def build(version: str = LLAMA_CPP_PYTHON, *, jobs: int | None = None) -> dict[str, Any]:
-    """Build llama.cpp's :data:`TOOLS` once (a no-op when ``built.json`` is there); returns it.
+    """Build llama.cpp's :data:`TOOLS` once (a no-op when ``built.json`` is there, built with
+    :func:`cmake_flags`); returns it.
 
     The sdist comes from ``pip download`` (the registries pip is configured with); the tree is
     unpacked, configured and built under a temporary name and renamed when done, so an
@@ -95,8 +110,12 @@ def build(version: str = LLAMA_CPP_PYTHON, *, jobs: int | None = None) -> dict[s
     """
     home = _home(version)
     marker = home / "built.json"
+    flags = cmake_flags()
     if marker.exists():
-        return json.loads(marker.read_text())
+        info = json.loads(marker.read_text())
+        if info.get("cmake_flags") == flags:
+            return info
+        print(f"{home}: built with {info.get('cmake_flags')}; rebuilding with {flags}")
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     sdist = root / f"llama_cpp_python-{version}.tar.gz"
@@ -121,13 +140,13 @@ def build(version: str = LLAMA_CPP_PYTHON, *, jobs: int | None = None) -> dict[s
     src, out = work / "src", work / "build"
     t0 = time.perf_counter()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["cmake", "-S", src, "-B", out, *generator, *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "-S", src, "-B", out, *generator, *flags], check=True)
     jobs = jobs or os.cpu_count() or 1
     subprocess.run(["cmake", "--build", out, "-j", str(jobs), "--target", *TOOLS], check=True)
     info = {
         "llama_cpp_python": version,
         "llama_cpp_version": _version(out / "bin"),
-        "cmake_flags": list(CMAKE_FLAGS),
+        "cmake_flags": flags,
         "tools": list(TOOLS),
         "build_s": round(time.perf_counter() - t0),
     }

@@ -40,3 +40,10 @@ def test_forward_max_on_an_architecture_max_does_not_run_is_one_line(tmp_path, c
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--forward max" in err[0] and "MambaForCausalLM" in err[0]
+
+
+def test_decode_steps_need_the_max_forward(capsys):
+    rc = cli(["eval", "demo", "--forward", "numpy", "--decode-steps", "--samples", "1"])
+    assert rc == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--decode-steps needs the MAX forward" in err and "--forward numpy" in err

@@ -40,3 +40,18 @@ def test_max_eval_agrees_with_the_numpy_forward(demo, theta_dir, capsys):
     base, lossy = through_max["results"]
     assert base["top1_agreement"] == 1.0 and base["kl"] == 0.0
     assert lossy["kl"] > 1e-3 and lossy["perplexity_ratio"] > 1.0
+
+
+def test_decode_steps_score_windows_as_the_echo_forward_does(demo, theta_dir, capsys):
+    """``--decode-steps``: each window token by token on the serving graph (KV cache, one row a
+    step, teacher-forced) gives the echo model's all-position figures, as float32 allows."""
+    theta = str(theta_dir(1, 8))
+    common = ("--forward", "max", "--path", "precompute-outside")
+    echo = _eval(capsys, "demo", theta, *common)
+    steps = _eval(capsys, "demo", theta, *common, "--decode-steps")
+    assert steps["decode_steps"] is True and echo["decode_steps"] is False
+    assert steps["tokens"] == echo["tokens"] == 4 * 127
+    for s, e in zip(steps["results"], echo["results"], strict=True):
+        assert s["perplexity"] == pytest.approx(e["perplexity"], rel=1e-4)
+        assert s["top1_agreement"] == pytest.approx(e["top1_agreement"], abs=2 / 508)
+        assert s["kl"] == pytest.approx(e["kl"], rel=1e-2, abs=1e-5)

@@ -23,6 +23,8 @@ from attnquant_max import (
     ThetaWeightAdapter,
     TokenScores,
     WeightKeyError,
+    decode_logprobs,
+    decode_step_logits,
     greedy_generate,
     greedy_logprobs,
     logit_parity,
@@ -30,6 +32,7 @@ from attnquant_max import (
     serve_command,
     serve_env,
 )
+from attnquant_max.testing import VOCAB
 
 from .conftest import LAYERS, MAX_BATCH_SIZE, MAX_LENGTH, PROJECTIONS, load_tiny
 
@@ -96,6 +99,25 @@ def test_teacher_forced_scores_match_greedy(dense_model: LoadedModel) -> None:
     assert scores.margin is not None and np.all(scores.margin >= 0.0)
 
 
+def test_decode_steps_score_a_forced_continuation_as_whole_prefixes_do(
+    dense_model: LoadedModel,
+) -> None:
+    """Teacher forcing through decode steps (KV cache, one row a step) gives what each prefix's
+    whole forward gives, on a continuation that is not the model's own greedy one."""
+    ids = dense_model.encode(PROMPTS[0])
+    greedy = greedy_generate(dense_model, ids, 6)
+    forced = [(t * 7 + 3) % VOCAB for t in greedy]  # anything but its greedy choices
+    assert forced != greedy
+    steps = decode_logprobs(dense_model, ids, forced)
+    whole = greedy_logprobs(dense_model, ids, forced)
+    np.testing.assert_allclose(steps.logprobs, whole.logprobs, rtol=0, atol=1e-4)
+    assert steps.greedy.tolist() == whole.greedy.tolist()
+    logits = decode_step_logits(dense_model, ids, forced)
+    assert logits.shape == (len(forced), VOCAB) and logits.dtype == np.float32
+    with pytest.raises(ValueError, match="non-empty"):
+        decode_step_logits(dense_model, ids, [])
+
+
 def test_parity_report_gives_the_base_margin_at_each_miss() -> None:
     """Misses listed by how close the base's own choice was; near-ties counted over all."""
     base = [
@@ -122,6 +144,9 @@ def test_logit_parity_of_passthrough_is_native_equivalent(
     assert report.native_equivalent
     assert report.agreement == 1.0
     assert report.max_abs_logprob_delta < 1e-4
+    assert report.decode_agreement == 1.0  # the same, scored through decode steps
+    assert report.decode_max_abs_logprob_delta is not None
+    assert report.decode_max_abs_logprob_delta < 1e-4
     assert (report.num_prompts, report.num_tokens) == (3, 24)
     assert report.miss_margins == () and 0 <= report.near_ties <= 24
 

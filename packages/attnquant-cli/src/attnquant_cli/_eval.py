@@ -126,6 +126,15 @@ def evaluate_command(
             "--json", help="Print the figures as one JSON object on stdout (table to stderr)."
         ),
     ] = False,
+    decode_steps: Annotated[
+        bool,
+        typer.Option(
+            "--decode-steps",
+            help="Through MAX, score each window as serving computes it: its first token "
+            "prefilled, every next one fed back as a single-row decode step (judges what runs "
+            "only in decode steps, e.g. --nvfp4-int8; one forward per token, slower).",
+        ),
+    ] = False,
     options: ServingOptions = ServingOptions(),
 ) -> None:
     """Perplexity, top-1 agreement with BASE and KL(BASE || it) for BASE and each checkpoint.
@@ -139,6 +148,11 @@ def evaluate_command(
     names = [base, *(checkpoints or [])]
     texts = default_data(base_path, is_demo, data, "heldout")
     chosen, why = choose_forward(forward, paths, devices=devices, float64=float64)
+    if decode_steps and chosen != "max":
+        raise typer.BadParameter(
+            f"--decode-steps needs the MAX forward (the numpy forward has no decode steps); "
+            f"here: {why}"
+        )
     if forward == "auto" and chosen == "numpy":  # say why MAX was not used (no markup: [serve])
         console.print(f"eval: numpy forward, {why}", highlight=False, markup=False, soft_wrap=True)
     started = time.perf_counter()
@@ -162,6 +176,7 @@ def evaluate_command(
                 devices=devices,
                 options=options,
                 progress=lambda name, done, total: progress.update(tasks[name], completed=done),
+                decode_steps=decode_steps,
             )
         else:
             tasks = {
@@ -177,7 +192,9 @@ def evaluate_command(
             )
     wall = time.perf_counter() - started
     engine = (
-        f"MAX on {devices} (echo model, full logits)"
+        f"MAX on {devices} ("
+        + ("decode steps, teacher-forced" if decode_steps else "echo model, full logits")
+        + ")"
         if chosen == "max"
         else f"numpy forward ({np.dtype(dtype).name})"
     )
@@ -194,6 +211,7 @@ def evaluate_command(
             "forward": chosen,
             "forward_why": why,
             "devices": devices if chosen == "max" else None,
+            "decode_steps": decode_steps,
             "dtype": (
                 np.dtype(dtype).name
                 if chosen == "numpy"

@@ -55,6 +55,7 @@ from ._config import (
 from ._eval import (
     ECHO_OVERRIDES,
     evaluate_max,
+    load_decode_pipeline,
     load_echo_pipeline,
     max_unavailable,
     planned_length,
@@ -68,6 +69,8 @@ from ._generate import (
     LoadedModel,
     ParityReport,
     TokenScores,
+    decode_logprobs,
+    decode_step_logits,
     greedy_generate,
     greedy_logprobs,
     load_pipeline,
@@ -124,6 +127,7 @@ __all__ = [
     # judging by function through MAX: all-position logits of an echo model
     "ECHO_OVERRIDES",
     "evaluate_max",
+    "load_decode_pipeline",
     "load_echo_pipeline",
     "max_unavailable",
     "planned_length",
@@ -137,6 +141,8 @@ __all__ = [
     "ParityReport",
     "TokenScores",
     "greedy_generate",
+    "decode_logprobs",
+    "decode_step_logits",
     "greedy_logprobs",
     "load_pipeline",
     "logit_parity",

@@ -34,12 +34,13 @@ from attnquant_core.calib import EvalResult, EvalTally
 from attnquant_core.serving import ServingOptions
 
 from ._config import GPU_ONLY_ARCHITECTURES, _architecture, require_device
-from ._generate import LoadedModel, load_pipeline
+from ._generate import LoadedModel, decode_step_logits, load_pipeline
 
 __all__ = [
     "ECHO_OVERRIDES",
     "MAX_ARCHITECTURES",
     "evaluate_max",
+    "load_decode_pipeline",
     "load_echo_pipeline",
     "max_unavailable",
     "planned_length",
@@ -115,6 +116,26 @@ def load_echo_pipeline(
     )
 
 
+def load_decode_pipeline(
+    model_path: str | os.PathLike[str],
+    *,
+    seq_len: int,
+    devices: str = "cpu",
+    quantization_encoding: str | None = None,
+    options: ServingOptions | None = None,
+) -> LoadedModel:
+    """:func:`load_pipeline` as ``serve`` and ``verify`` build it (last-row logits, batch of
+    one), at :func:`planned_length`, for scoring windows of ``seq_len`` through decode steps."""
+    return load_pipeline(
+        model_path,
+        max_length=planned_length(model_path, seq_len),
+        max_batch_size=1,
+        devices=devices,
+        quantization_encoding=quantization_encoding,
+        options=options,
+    )
+
+
 @contextmanager
 def _captured_logits(model: LoadedModel) -> Iterator[list[np.ndarray]]:
     """Every forward's logits (``[rows, vocab]`` float32) while the block runs."""
@@ -168,12 +189,18 @@ def evaluate_max(
     options: ServingOptions | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     spill_bytes: int = 1 << 31,
+    decode_steps: bool = False,
 ) -> list[EvalResult]:
     """:func:`attnquant_core.calib.evaluate` through MAX: ``paths[0]`` is the base.
 
     One model is loaded at a time (each builds its own KV cache); the base model's
     log-probabilities are kept for the KL of the others, in memory up to ``spill_bytes`` and
     in a temporary file above it. ``progress(checkpoint, windows_done, windows)``.
+
+    ``decode_steps``: score each window as serving computes it, its first token prefilled and
+    every next one fed back as a single-row decode step (:func:`~attnquant_max.decode_step_logits`,
+    on the serving graph, not the echo one), so arithmetic that runs only in decode steps
+    (``--nvfp4-int8``) is what is judged; one forward per token, so slower.
     """
     import tempfile
 
@@ -186,7 +213,8 @@ def evaluate_max(
     with tempfile.TemporaryDirectory(prefix="attnquant-eval-") as tmp:
         for index, path in enumerate(paths):
             tally = EvalTally(str(path))
-            with load_echo_pipeline(
+            load = load_decode_pipeline if decode_steps else load_echo_pipeline
+            with load(
                 path,
                 seq_len=T,
                 devices=devices,
@@ -194,7 +222,10 @@ def evaluate_max(
                 options=options,
             ) as model:
                 for i in range(n):
-                    lp = window_logprobs(model, windows[i, :-1])
+                    if decode_steps:
+                        lp = _log_softmax(decode_step_logits(model, windows[i, :1], windows[i, 1:]))
+                    else:
+                        lp = window_logprobs(model, windows[i, :-1])
                     if index == 0 and len(paths) > 1:
                         if base_lp is None:
                             shape = (n, T - 1, lp.shape[-1])

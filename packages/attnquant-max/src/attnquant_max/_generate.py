@@ -25,6 +25,8 @@ __all__ = [
     "DELTA_THRESHOLD",
     "LoadedModel",
     "ParityReport",
+    "decode_logprobs",
+    "decode_step_logits",
     "greedy_generate",
     "greedy_logprobs",
     "load_pipeline",
@@ -228,6 +230,78 @@ def greedy_logprobs(
     return TokenScores.from_logits(np.stack(rows), continuation)
 
 
+class _TeacherForcing:
+    """A logits processor (MAX's documented in-place hook) that copies each forward's
+    next-token logits row and then leaves the greedy sampler only ``tokens[t]`` to pick, so
+    forward ``t + 1`` is a decode step on ``prompt + tokens[: t + 1]``."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = [int(t) for t in tokens]
+        self.rows: list[np.ndarray] = []
+
+    def __call__(self, inputs: Any) -> None:
+        from max.driver import Buffer
+
+        logits = inputs.logits
+        self.rows.append(np.array(logits[-1, :].to_numpy(), dtype=np.float32))
+        forced = np.full(tuple(logits.shape), np.finfo(np.float32).min, dtype=np.float32)
+        forced[-1, self.tokens[min(len(self.rows), len(self.tokens)) - 1]] = 0.0
+        # The copy is enqueued: wait for it while ``forced`` (its source) is still alive.
+        logits.inplace_copy_from(Buffer.from_numpy(forced).to(logits.device))
+        logits.device.synchronize()
+
+
+def decode_step_logits(
+    model: LoadedModel, prompt: Sequence[int], continuation: Sequence[int]
+) -> np.ndarray:
+    """Next-token logits ``[len(continuation), vocab]`` (float32) of ``continuation`` after
+    ``prompt`` as a served model computes them: ``prompt`` prefilled once (row 0 is its last
+    row), then each continuation token fed back as one single-row decode step on the KV cache
+    (row ``t`` predicts ``continuation[t]``), the greedy choice forced to it."""
+    from max.pipelines.context import EOSTracker, SamplingParams, TextContext, TokenBuffer
+    from max.pipelines.lib.generate import GenerateIterator
+
+    prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
+    if not prompt or not continuation:
+        raise ValueError("decode_step_logits needs a non-empty prompt and continuation")
+    forcing = _TeacherForcing(continuation)
+    context = TextContext(
+        max_length=len(prompt) + len(continuation),
+        tokens=TokenBuffer(np.asarray(prompt, dtype=np.int64)),
+        eos_tracker=EOSTracker(eos_token_ids=set()),
+        sampling_params=SamplingParams(
+            top_k=1,
+            max_new_tokens=len(continuation),
+            ignore_eos=True,
+            seed=0,
+            logits_processors=[forcing],
+        ),
+    )
+    with GenerateIterator.from_contexts(
+        model.model.pipeline, [context], caller="decode_step_logits()"
+    ) as batch:
+        for _ in batch:
+            pass
+        generated = batch.sequences[0][len(prompt) :]
+    if generated != continuation or len(forcing.rows) != len(continuation):
+        raise RuntimeError(
+            f"MAX decoded {len(forcing.rows)} forward(s) to {generated[:8]}... for a forced "
+            f"continuation of {len(continuation)} token(s) {continuation[:8]}...: the logits "
+            "processor did not steer the greedy sampler"
+        )
+    return np.stack(forcing.rows)
+
+
+def decode_logprobs(
+    model: LoadedModel, prompt: Sequence[int], continuation: Sequence[int]
+) -> TokenScores:
+    """:func:`greedy_logprobs` through decode steps (:func:`decode_step_logits`): the scores
+    serving produces token by token. :func:`greedy_logprobs` runs each prefix as one whole
+    forward, so it never takes what runs only in decode steps (``--nvfp4-int8``, below 8
+    rows a step)."""
+    return TokenScores.from_logits(decode_step_logits(model, prompt, continuation), continuation)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParityReport:
     """Logit parity of a served theta model against its base (docs/serving-paths.md).
@@ -251,6 +325,11 @@ class ParityReport:
     base_weight_bytes, theta_weight_bytes : int or None
         Bytes of the weights each compiled decoder holds, where known
         (:attr:`LoadedModel.weight_bytes`): what NVFP4 or an in-graph path saves.
+    decode_max_abs_logprob_delta, decode_agreement : float or None
+        The same two figures with the theta model scored through single-row decode steps
+        (:func:`decode_logprobs`), as serving runs it token by token, where measured: arithmetic
+        that runs only in decode steps (``--nvfp4-int8``) is judged here, and
+        ``native_equivalent`` then needs both bounds met on both scorings.
     """
 
     max_abs_logprob_delta: float
@@ -262,6 +341,18 @@ class ParityReport:
     near_ties: int | None = None
     base_weight_bytes: int | None = None
     theta_weight_bytes: int | None = None
+    decode_max_abs_logprob_delta: float | None = None
+    decode_agreement: float | None = None
+
+    def with_decode_steps(self, decode: ParityReport) -> ParityReport:
+        """This report with ``decode`` (the theta model scored through decode steps on the
+        same continuations) as its decode-step figures, and the verdict over both."""
+        return replace(
+            self,
+            decode_max_abs_logprob_delta=decode.max_abs_logprob_delta,
+            decode_agreement=decode.agreement,
+            native_equivalent=self.native_equivalent and decode.native_equivalent,
+        )
 
     @classmethod
     def from_scores(
@@ -321,7 +412,8 @@ def logit_parity(
     """Compare ``theta_path`` served by attnquant with ``base_path`` served unchanged.
 
     The base model's greedy continuation of each prompt is generated, then scored
-    teacher-forced on both models. Each side is a checkpoint directory, loaded
+    teacher-forced on both models, and on the theta model once more through single-row decode
+    steps (:func:`decode_logprobs`, one prompt at a time: batch-1 decoding as served). Each side is a checkpoint directory, loaded
     here one at a time, or a :class:`LoadedModel` (used and left open). Prompts
     are text (encoded with the base tokenizer) or token ids.
 
@@ -352,17 +444,23 @@ def logit_parity(
             greedy_logprobs(theta, ids, cont)
             for ids, cont in zip(encoded, continuations, strict=True)
         ]
+        decode_scores = [
+            decode_logprobs(theta, ids, cont)
+            for ids, cont in zip(encoded, continuations, strict=True)
+        ]
     report = replace(
         ParityReport.from_scores(base_scores, theta_scores, continuations),
         base_weight_bytes=base_bytes,
         theta_weight_bytes=theta_bytes,
-    )
+    ).with_decode_steps(ParityReport.from_scores(base_scores, decode_scores, continuations))
     logger.info(
-        "logit parity %s vs %s: max |dlogp| %.4g, agreement %.3f -> %s",
+        "logit parity %s vs %s: max |dlogp| %.4g (decode steps %.4g), agreement %.3f (%.3f) -> %s",
         getattr(theta_path, "path", theta_path),
         getattr(base_path, "path", base_path),
         report.max_abs_logprob_delta,
+        report.decode_max_abs_logprob_delta,
         report.agreement,
+        report.decode_agreement,
         "native-equivalent" if report.native_equivalent else "NOT native-equivalent",
     )
     return report

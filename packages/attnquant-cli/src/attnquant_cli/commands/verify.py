@@ -69,6 +69,18 @@ def verify(
         "max |logprob delta|", f"{report.max_abs_logprob_delta:.3g}", f"< {DELTA_THRESHOLD}"
     )
     table.add_row("greedy agreement", f"{report.agreement:.1%}", f">= {AGREEMENT_THRESHOLD:.0%}")
+    if report.decode_max_abs_logprob_delta is not None and report.decode_agreement is not None:
+        # The theta model scored again token by token, as serve decodes (single-row steps).
+        table.add_row(
+            "max |logprob delta|, decode steps",
+            f"{report.decode_max_abs_logprob_delta:.3g}",
+            f"< {DELTA_THRESHOLD}",
+        )
+        table.add_row(
+            "greedy agreement, decode steps",
+            f"{report.decode_agreement:.1%}",
+            f">= {AGREEMENT_THRESHOLD:.0%}",
+        )
     if report.miss_margins:
         # How close the base's own choice was where the theta model chose otherwise.
         table.add_row(
