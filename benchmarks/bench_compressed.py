@@ -28,9 +28,9 @@ ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
 * ``nvfp4 per-member`` / ``nvfp4+head per-member``: q/k/v and gate/up one fused dispatch per
   member and a concat, where the rows above merge each group's packed weights at load into one
   dispatch (``NVFP4MergedLinear``): what merging buys, side by side;
-* ``nvfp4 int8`` / ``nvfp4+head int8``: the tiled rows with ``--nvfp4-int8``: decode steps
-  round the activations to int8 per block of 16 and multiply integers
-  (``generated_linear_nvfp4_tiled_a8``);
+* ``nvfp4 float`` / ``nvfp4+head float``: the tiled rows with ``--no-nvfp4-int8``: decode
+  steps multiply float activations, where the rows above (``--nvfp4-int8``, the default) round
+  them to int8 per block of 16 and multiply integers (``generated_linear_nvfp4_tiled_a8``);
 * ``gguf q4_0`` / ``gguf q4_k``: what a CPU user picks instead for 4-bit: the same weights
   written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
   (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served
@@ -89,8 +89,8 @@ VARIANTS = (
     "nvfp4+r16 row-major",
     "nvfp4 per-member",
     "nvfp4+head per-member",
-    "nvfp4 int8",
-    "nvfp4+head int8",
+    "nvfp4 float",
+    "nvfp4+head float",
     "gguf q4_0",
     "gguf q4_k",
     "llama.cpp f32",
@@ -102,7 +102,7 @@ VARIANTS = (
 LAYOUT_SUFFIXES = {
     " row-major": ("nvfp4_tiled", False, "row-major layout"),
     " per-member": ("nvfp4_merge", False, "one dispatch per q/k/v and gate/up member"),
-    " int8": ("nvfp4_int8", True, "int8 activations in decode steps"),
+    " float": ("nvfp4_int8", False, "float activations in decode steps"),
 }
 PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
 

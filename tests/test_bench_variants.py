@@ -54,14 +54,14 @@ def work(tmp_path: Path) -> Path:
             },
         ),
         (
-            "nvfp4+head int8",
+            "nvfp4+head float",
             "base",
             {
                 "path": "precompute-outside",
                 "quant": "nvfp4",
                 "nvfp4_kernel": "fused",
                 "quant_head": True,
-                "nvfp4_int8": True,
+                "nvfp4_int8": False,
             },
         ),
         (

@@ -253,7 +253,7 @@ def test_budget_checkpoint_with_an_nvfp4_head_runs_the_head_fused(tiny_budget: P
     from attnquant_kernels.layout import cpu_prefers_tiled
     from attnquant_max.testing import gemm_weight_bytes
 
-    op = f'"generated_linear_nvfp4{"_tiled" if cpu_prefers_tiled() else ""}"'
+    op = f'"generated_linear_nvfp4{"_tiled_a8" if cpu_prefers_tiled() else ""}"'  # --nvfp4-int8
     head = dataclasses.replace(CUSTOM, quant_head=True, nvfp4_kernel="fused")
     with load_tiny(tiny_budget) as outside:
         plain, _ = decoder_graph(outside, CUSTOM)

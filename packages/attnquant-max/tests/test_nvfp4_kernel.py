@@ -81,7 +81,7 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
     tensors = _dequantized_tensors()
     tensors["lm_head.weight"] = dequantize_nvfp4(quantize_nvfp4(tensors["lm_head.weight"]))
     reference_dir = write_tiny_llama(tmp_path / "dequantized", tensors)
-    fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True)
+    fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True, nvfp4_int8=False)
     qkv = sum(PROJECTIONS[f"self_attn.{p}_proj"][0] for p in "qkv")
     gate_up = sum(PROJECTIONS[f"mlp.{p}_proj"][0] for p in ("gate", "up"))
     with load_tiny(tiny_dense, fused) as model, load_tiny(reference_dir) as reference:
@@ -134,8 +134,8 @@ def test_int8_decode_steps_stay_within_their_rounding_of_the_float_op(tiny_dense
     from .conftest import load_tiny
     from .test_nvfp4_serving import NVFP4, PROMPTS
 
-    fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True)
-    int8 = replace(fused, nvfp4_int8=True)
+    fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True, nvfp4_int8=False)
+    int8 = replace(fused, nvfp4_int8=True)  # the default
     long = "The quick brown fox jumps over the lazy dog."
     with (
         load_tiny(tiny_dense) as dense,

@@ -58,8 +58,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # The kernel named explicitly, so that CI compiles one known graph (auto times both forms).
 FUSED = ServingOptions(path="in-graph", nvfp4_kernel="fused")
-#: The op a fused CPU graph names: on AVX-512 the tiled layout's (``nvfp4_tiled``).
-FUSED_OP = f'"generated_linear_nvfp4{"_tiled" if cpu_prefers_tiled() else ""}"'
+#: The op a fused CPU graph names: on AVX-512 the tiled layout's with int8 decode steps
+#: (``nvfp4_tiled``, ``nvfp4_int8``: the defaults).
+FUSED_OP = f'"generated_linear_nvfp4{"_tiled_a8" if cpu_prefers_tiled() else ""}"'
 DEQUANTIZE = replace(FUSED, nvfp4_kernel="dequantize")
 RANK = 16  # the tiny k/v projections [32, 64] allow up to 32
 #: The mixed checkpoint's families banded with an NVFP4 W0 (passthrough, rank RANK); the others

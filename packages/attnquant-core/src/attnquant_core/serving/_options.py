@@ -125,10 +125,11 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "nvfp4_int8",
         "--nvfp4-int8/--no-nvfp4-int8",
         "ATTNQUANT_NVFP4_INT8",
-        "0",
+        "1",
         "Fused NVFP4 on the tiled layout: decode steps (below 8 rows) round the activations to "
-        "int8 per block of 16 inputs and multiply integers (AVX-512 VNNI where the CPU has it): "
-        "faster, no longer equal to the float projection (docs/decode-speed.md).",
+        "int8 per block of 16 inputs and multiply integers (AVX-512 VNNI where the CPU has it; "
+        "within the tolerance of docs/decode-speed.md); off keeps float activations, equal to "
+        "the float projection. Where the tiled op does not serve, activations stay float.",
     ),
     OptionSpec(
         "nvfp4_merge",
@@ -251,7 +252,7 @@ class ServingOptions:
     nvfp4_tiled, nvfp4_merge : bool
         Fused NVFP4: the tiled layout where the CPU has it; q/k/v and gate/up merged.
     nvfp4_int8 : bool
-        Fused NVFP4 on the tiled layout: int8 activations below 8 rows.
+        Fused NVFP4 on the tiled layout: int8 activations below 8 rows (elsewhere: no effect).
     qkv_fuse, fused_mlp : bool
         GEMM path: q/k/v and gate/up batched; custom op: the MLP in one dispatch.
     """
@@ -263,7 +264,7 @@ class ServingOptions:
     quant_head: bool = False
     nvfp4_kernel: NVFP4Kernel = "auto"
     nvfp4_tiled: bool = True
-    nvfp4_int8: bool = False
+    nvfp4_int8: bool = True
     nvfp4_merge: bool = True
     qkv_fuse: bool = True
     fused_mlp: bool = True

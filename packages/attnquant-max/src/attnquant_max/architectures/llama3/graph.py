@@ -118,7 +118,7 @@ class ThetaLlama3(Llama3):
         )
         self.needs_kernels = fused
         self.nvfp4_tiled = fused and options.nvfp4_tiled and nvfp4_tiled(config.devices[0])
-        self.nvfp4_int8 = _nvfp4_int8(options, self.nvfp4_tiled)
+        self.nvfp4_int8 = _nvfp4_int8(options, fused=fused, tiled=self.nvfp4_tiled)
         builder = ThetaBuilder(
             layout,
             num_layers=config.num_hidden_layers,
@@ -163,7 +163,7 @@ class NVFP4Llama3(Llama3):
         fused = _nvfp4_kernel_fused(device, shapes, options.nvfp4_kernel)
         self.needs_kernels = fused
         self.nvfp4_tiled = tiled = fused and options.nvfp4_tiled and nvfp4_tiled(device)
-        self.nvfp4_int8 = int8 = _nvfp4_int8(options, tiled)
+        self.nvfp4_int8 = int8 = _nvfp4_int8(options, fused=fused, tiled=tiled)
         self.nvfp4_merged = merged = fused and options.nvfp4_merge and _nvfp4_merged(dtype)
 
         def linear(family: str) -> NVFP4Linear:
@@ -197,15 +197,20 @@ class NVFP4Llama3(Llama3):
             _nvfp4_head(self, config, fused=fused, tiled=tiled, int8=int8)
 
 
-def _nvfp4_int8(options: ServingOptions, tiled: bool) -> bool:
-    """``--nvfp4-int8`` where it can run: on the tiled layout (fused, a CPU with AVX-512);
-    elsewhere the float op serves, and a warning says so."""
-    if options.nvfp4_int8 and not tiled:
-        logger.warning(
-            "--nvfp4-int8: int8 activations run on the tiled NVFP4 layout (fused op, a CPU "
-            "with AVX-512); serving float activations"
+def _nvfp4_int8(options: ServingOptions, *, fused: bool, tiled: bool) -> bool:
+    """``--nvfp4-int8`` (the default) where it can run: on the tiled layout (fused, a CPU with
+    AVX-512); elsewhere the float op serves, as the option says. Logged once a load."""
+    int8 = options.nvfp4_int8 and tiled
+    if fused:
+        why = (
+            "int8 activations (--nvfp4-int8)"
+            if int8
+            else "float activations (--no-nvfp4-int8)"
+            if not options.nvfp4_int8
+            else "float activations (int8 runs on the tiled layout: a CPU with AVX-512)"
         )
-    return options.nvfp4_int8 and tiled
+        logger.info("NVFP4 decode steps: %s", why)
+    return int8
 
 
 def _nvfp4_merged(dtype: Any) -> bool:
