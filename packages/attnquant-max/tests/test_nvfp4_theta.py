@@ -442,10 +442,12 @@ def test_served_mixed_checkpoint_on_the_fused_op_is_the_stock_model_on_the_dense
 ) -> None:
     """NVFP4-W0 families (fused op) and float forms (GEMM path) in one graph: greedy tokens equal
     and log-probs to 1e-4 against every family rebuilt in numpy at load (precompute-outside:
-    ``s * dequantize(W0) + U V^T``, ``U V^T``, ``U B^T``), holding the checkpoint's bytes."""
+    ``s * dequantize(W0) + U V^T``, ``U V^T``, ``U B^T``), holding the checkpoint's bytes. Float
+    activations (``--no-nvfp4-int8``): the int8 decode steps are not exact, and are judged in
+    test_nvfp4_kernel against the float op."""
     from attnquant_max import ThetaLlama3Model
 
-    with load_tiny(tiny_mixed, FUSED) as model:
+    with load_tiny(tiny_mixed, replace(FUSED, nvfp4_int8=False)) as model:
         pm = model.model.pipeline._pipeline_model
         assert isinstance(pm, ThetaLlama3Model)
         held = pm.weight_bytes
