@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -95,16 +95,17 @@ def planned_length(model_path: str | os.PathLike[str], seq_len: int) -> int:
     return planned
 
 
-def load_echo_pipeline(
+def _load_scoring(
     model_path: str | os.PathLike[str],
-    *,
     seq_len: int,
+    overrides: Mapping[str, object] | None,
+    *,
     devices: str = "cpu",
     quantization_encoding: str | None = None,
     options: ServingOptions | None = None,
 ) -> LoadedModel:
-    """:func:`load_pipeline` built for whole-window scoring (:data:`ECHO_OVERRIDES`) of windows
-    up to ``seq_len`` tokens, at :func:`planned_length`."""
+    """:func:`load_pipeline` for scoring windows of up to ``seq_len`` tokens, one at a time, at
+    :func:`planned_length`."""
     return load_pipeline(
         model_path,
         max_length=planned_length(model_path, seq_len),
@@ -112,28 +113,26 @@ def load_echo_pipeline(
         devices=devices,
         quantization_encoding=quantization_encoding,
         options=options,
-        overrides=ECHO_OVERRIDES,
+        overrides=overrides,
     )
+
+
+def load_echo_pipeline(
+    model_path: str | os.PathLike[str], *, seq_len: int, **load: Any
+) -> LoadedModel:
+    """:func:`load_pipeline` built for whole-window scoring (:data:`ECHO_OVERRIDES`) of windows
+    up to ``seq_len`` tokens, at :func:`planned_length`; ``load``: ``devices``,
+    ``quantization_encoding``, ``options``."""
+    return _load_scoring(model_path, seq_len, ECHO_OVERRIDES, **load)
 
 
 def load_decode_pipeline(
-    model_path: str | os.PathLike[str],
-    *,
-    seq_len: int,
-    devices: str = "cpu",
-    quantization_encoding: str | None = None,
-    options: ServingOptions | None = None,
+    model_path: str | os.PathLike[str], *, seq_len: int, **load: Any
 ) -> LoadedModel:
-    """:func:`load_pipeline` as ``serve`` and ``verify`` build it (last-row logits, batch of
-    one), at :func:`planned_length`, for scoring windows of ``seq_len`` through decode steps."""
-    return load_pipeline(
-        model_path,
-        max_length=planned_length(model_path, seq_len),
-        max_batch_size=1,
-        devices=devices,
-        quantization_encoding=quantization_encoding,
-        options=options,
-    )
+    """:func:`load_pipeline` as ``serve`` and ``verify`` build it (last-row logits), batch of one,
+    at :func:`planned_length`, for scoring windows of ``seq_len`` through decode steps; ``load``
+    as for :func:`load_echo_pipeline`."""
+    return _load_scoring(model_path, seq_len, None, **load)
 
 
 @contextmanager
