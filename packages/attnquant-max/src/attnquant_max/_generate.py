@@ -413,9 +413,9 @@ def logit_parity(
 
     The base model's greedy continuation of each prompt is generated, then scored
     teacher-forced on both models, and on the theta model once more through single-row decode
-    steps (:func:`decode_logprobs`, one prompt at a time: batch-1 decoding as served). Each side is a checkpoint directory, loaded
-    here one at a time, or a :class:`LoadedModel` (used and left open). Prompts
-    are text (encoded with the base tokenizer) or token ids.
+    steps (:func:`decode_logprobs`, one prompt at a time: batch-1 decoding as served). Each
+    side is a checkpoint directory, loaded here one at a time, or a :class:`LoadedModel` (used
+    and left open). Prompts are text (encoded with the base tokenizer) or token ids.
 
     A base loaded here ignores ``options``: it is served on the stock path
     (precompute-outside: a dense base as it is, a theta base rebuilt once at load,
