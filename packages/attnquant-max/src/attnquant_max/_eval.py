@@ -34,7 +34,7 @@ from attnquant_core.calib import EvalResult, EvalTally
 from attnquant_core.serving import ServingOptions
 
 from ._config import GPU_ONLY_ARCHITECTURES, _architecture, require_device
-from ._generate import LoadedModel, decode_step_logits, load_pipeline
+from ._generate import LoadedModel, _log_softmax, decode_step_logits, load_pipeline
 
 __all__ = [
     "ECHO_OVERRIDES",
@@ -152,12 +152,6 @@ def _captured_logits(model: LoadedModel) -> Iterator[list[np.ndarray]]:
         yield seen
     finally:
         del pipeline_model.execute  # the class's method again
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def window_logprobs(model: LoadedModel, prompt: Sequence[int]) -> np.ndarray:
