@@ -84,6 +84,7 @@ VARIANTS = (
     "nvfp4",
     "nvfp4+r16",
     "nvfp4+head",
+    "nvfp4+head+emb",
     "nvfp4+r16+head",
     "nvfp4 row-major",
     "nvfp4+r16 row-major",
@@ -91,6 +92,7 @@ VARIANTS = (
     "nvfp4+head per-member",
     "nvfp4 float",
     "nvfp4+head float",
+    "nvfp4+head+emb float",
     "gguf q4_0",
     "gguf q4_k",
     "llama.cpp f32",
@@ -109,7 +111,10 @@ PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n",
 
 def _table_bytes(shape: Any, variant: str | None) -> float:
     """Bytes of the embedding table: float32 in every variant but the GGUF ones
-    (q4_0: 18 bytes a 32 weights; q4_k: 144 a 256)."""
+    (q4_0: 18 bytes a 32 weights; q4_k: 144 a 256) and the ``+emb`` ones
+    (``ATTNQUANT_QUANT_EMBEDDING=1``: NVFP4, 4.5 bits a weight and the per-tensor scale)."""
+    if "+emb" in (variant or ""):
+        return shape.vocab * shape.hidden * 9 / 16 + 4
     per_weight = {"gguf q4_0": 18 / 32, "gguf q4_k": 144 / 256}.get(variant or "", 4)
     return shape.vocab * shape.hidden * per_weight
 
@@ -117,7 +122,10 @@ def _table_bytes(shape: Any, variant: str | None) -> float:
 def _head_bytes(shape: Any, variant: str | None) -> float | None:
     """Bytes of a head held apart from the embedding table (``None``: a tied head, the table
     itself): NVFP4 in the ``+head`` variants (``ATTNQUANT_QUANT_HEAD=1``: 4.5 bits a weight
-    and the per-tensor scale; a tied head is then quantized from the table, which stays)."""
+    and the per-tensor scale; a tied head is then quantized from the table, which stays, but
+    with ``+emb``, where the lookup reads the head's bytes: one table again)."""
+    if shape.tie_embeddings and "+emb" in (variant or ""):
+        return None
     if "+head" in (variant or ""):
         return shape.vocab * shape.hidden * 9 / 16 + 4
     return None if shape.tie_embeddings else _table_bytes(shape, variant)
@@ -178,6 +186,10 @@ def prepare(
             base = variant.removesuffix(suffix)
             path, overrides, how = prepare(base, base_dir, work, shape, forms)
             return path, {**overrides, option: value}, f"{how} ({said})"
+    if variant.endswith("+emb"):
+        base = variant.removesuffix("+emb")
+        path, overrides, how = prepare(base, base_dir, work, shape, forms)
+        return path, {**overrides, "quant_embedding": True}, how + "; embedding NVFP4 too"
     if variant.endswith("+head"):
         base = variant.removesuffix("+head")
         path, overrides, how = prepare(base, base_dir, work, shape, forms)

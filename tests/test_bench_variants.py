@@ -1,6 +1,7 @@
 """What each row of ``benchmarks/bench_compressed.py`` serves: its checkpoint and config.
 
-A suffix names the same weights served another way ("+head": the head in NVFP4; "row-major",
+A suffix names the same weights served another way ("+head": the head in NVFP4; "+emb": the
+embedding table too; "row-major",
 "per-member": a layout or dispatch switch turned off; "int8": int8 activations turned on), so a suffix must reach every row it
 can follow, a budget row's too. No checkpoint is written: the budget and NVFP4 + r16 rows find
 theirs already in the work folder.
@@ -65,6 +66,18 @@ def work(tmp_path: Path) -> Path:
             },
         ),
         (
+            "nvfp4+head+emb float",
+            "base",
+            {
+                "path": "precompute-outside",
+                "quant": "nvfp4",
+                "nvfp4_kernel": "fused",
+                "quant_head": True,
+                "quant_embedding": True,
+                "nvfp4_int8": False,
+            },
+        ),
+        (
             "nvfp4+r16 row-major",
             "nvfp4_r16",
             {"path": "in-graph", "nvfp4_kernel": "fused", "nvfp4_tiled": False},
@@ -80,8 +93,9 @@ def test_every_variant_serves_its_checkpoint_and_config(
     assert got_path == (base if path == "base" else work / path)
     assert got == overrides
     ServingOptions(**got)  # every override is a serving option
-    if variant.endswith("+head") or "+head " in variant:
+    if "+head" in variant:
         assert "head NVFP4 too" in how
+    assert ("embedding NVFP4 too" in how) == ("+emb" in variant)
     for suffix, (_, _, said) in bench_compressed.LAYOUT_SUFFIXES.items():
         assert (said in how) == variant.endswith(suffix)
 
@@ -95,3 +109,21 @@ def test_head_bytes_count_a_suffixed_head_variant() -> None:
     for variant in ("nvfp4+head", "nvfp4+head per-member", "budget 0.5 custom-op+head"):
         assert bench_compressed._head_bytes(shape, variant) == nvfp4_head
     assert bench_compressed._head_bytes(shape, "nvfp4") == shape.vocab * shape.hidden * 4
+
+
+@pytest.mark.parametrize("shape_name", ["300m", "1b"])
+def test_table_bytes_of_an_nvfp4_embedding(shape_name: str) -> None:
+    """ "+emb": the table in NVFP4; an untied head beside it, a tied one the table itself (held
+    once, streamed whole by each decode step)."""
+    from synthetic_llama import SHAPES
+
+    shape = SHAPES[shape_name]
+    nvfp4 = shape.vocab * shape.hidden * 9 / 16 + 4
+    assert bench_compressed._table_bytes(shape, "nvfp4+head+emb") == nvfp4
+    head = bench_compressed._head_bytes(shape, "nvfp4+head+emb")
+    assert head == (None if shape.tie_embeddings else nvfp4)
+    held = 10**9
+    streamed = bench_compressed.streamed_bytes(held, shape, "nvfp4+head+emb")
+    assert streamed == (
+        held if shape.tie_embeddings else held - int(nvfp4) + int(nvfp4 / shape.vocab)
+    )

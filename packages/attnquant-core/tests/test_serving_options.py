@@ -28,6 +28,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert options.fused_mlp is True
     assert options.quant is None
     assert options.quant_head is False
+    assert options.quant_embedding is False
     assert options.nvfp4_kernel == "auto"
 
 
@@ -69,6 +70,7 @@ def test_frozen() -> None:
         ("ATTNQUANT_NVFP4_KERNEL", "", "nvfp4_kernel", "auto"),
         ("ATTNQUANT_QUANT_HEAD", "1", "quant_head", True),
         ("ATTNQUANT_QUANT_HEAD", "", "quant_head", False),
+        ("ATTNQUANT_QUANT_EMBEDDING", "1", "quant_embedding", True),
     ],
 )
 def test_each_variable_parses(variable: str, value: str, field: str, expected: object) -> None:
@@ -156,6 +158,7 @@ options_strategy = st.builds(
     rank=st.integers(0, 1 << 20),
     quant=st.sampled_from([None, "nvfp4"]),
     quant_head=st.booleans(),
+    quant_embedding=st.booleans(),
     nvfp4_kernel=st.sampled_from(["auto", "fused", "dequantize"]),
     qkv_fuse=st.booleans(),
     fused_mlp=st.booleans(),

@@ -18,7 +18,7 @@ from attnquant_core.forms import dequantize_nvfp4, quantize_nvfp4
 from attnquant_kernels.testing import nvfp4_dequantize, nvfp4_random
 from attnquant_max.testing import VOCAB
 
-from .conftest import HIDDEN, LAYERS, PROJECTIONS
+from .conftest import HIDDEN, LAYERS, PROJECTIONS, tiny_llama_tensors
 
 
 @pytest.mark.parametrize(("out_dim", "in_dim"), [(1, 16), (7, 48), (64, 256)])
@@ -52,7 +52,9 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
 ) -> None:
     """``ATTNQUANT_QUANT=nvfp4`` with every projection and the head
     (``ATTNQUANT_QUANT_HEAD=1``) in ``generated_linear_nvfp4`` dispatches: q/k/v and gate/up
-    one each over their merged weights (float32), o, down and the head one each.
+    one each over their merged weights (float32), o, down and the head one each. The model is
+    tied and its embedding in NVFP4 too (``ATTNQUANT_QUANT_EMBEDDING=1``): the lookup gathers
+    the head's packed rows, in the layout the head's op reads, so both are one 4-bit table.
 
     The start-up measurement (:func:`attnquant_max._nvfp4_layers.nvfp4_fused`) picks the
     faster form, which on the tiny model's 128x64 projections can be either; here the fused
@@ -78,13 +80,23 @@ def test_served_nvfp4_on_the_fused_op_is_the_stock_model_on_dequantized_weights(
 
     monkeypatch.setattr(graph, "nvfp4_fused", measured)  # --nvfp4-kernel fused: never timed
     monkeypatch.setattr(NVFP4Linear, "kernel_call", counted)
+    tied = tiny_llama_tensors()
+    del tied["lm_head.weight"]
+    tied_dir = write_tiny_llama(tmp_path / "tied", tied, tie_word_embeddings=True)
+    # The reference is untied (the stock graph the other tests compile), both tables the
+    # dequantized one: the same function as the tied model on it.
     tensors = _dequantized_tensors()
-    tensors["lm_head.weight"] = dequantize_nvfp4(quantize_nvfp4(tensors["lm_head.weight"]))
+    table = dequantize_nvfp4(quantize_nvfp4(tied["model.embed_tokens.weight"]))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] = table
     reference_dir = write_tiny_llama(tmp_path / "dequantized", tensors)
-    fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True, nvfp4_int8=False)
+    fused = replace(
+        NVFP4, nvfp4_kernel="fused", quant_head=True, quant_embedding=True, nvfp4_int8=False
+    )
     qkv = sum(PROJECTIONS[f"self_attn.{p}_proj"][0] for p in "qkv")
     gate_up = sum(PROJECTIONS[f"mlp.{p}_proj"][0] for p in ("gate", "up"))
-    with load_tiny(tiny_dense, fused) as model, load_tiny(reference_dir) as reference:
+    with load_tiny(tied_dir, fused) as model, load_tiny(reference_dir) as reference:
+        pm = model.model.pipeline._pipeline_model
+        assert not [k for k in pm.state_dict if "embed_tokens" in k]  # one table: the head's
         # float32: q/k/v and gate/up one merged dispatch each, o, down and the head one each
         per_forward = LAYERS * (len(PROJECTIONS) - 3) + 1
         assert calls and len(calls) % per_forward == 0
@@ -119,29 +131,43 @@ def test_start_up_measurement_checks_the_fused_op_and_logs_the_choice(
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("nvfp4-fused")
-def test_int8_decode_steps_stay_within_their_rounding_of_the_float_op(tiny_dense: Path) -> None:
+def test_int8_decode_steps_stay_within_their_rounding_of_the_float_op(
+    tiny_dense: Path, tmp_path: Path
+) -> None:
     """``--nvfp4-int8``: the decode steps (one row) round activations to int8 per block of 16
     and multiply integers, and so does the head of the prompt's forward (MAX gives it the last
     row alone); the prompt's projections are the float op's. Scored through decode steps
     (:func:`attnquant_max.decode_logprobs`) against the same model on the float op, int8 must
     move the scores by less than a quarter of what the 4-bit weights already move them from the
-    dense model (measured: 0.025 against 0.74 nats; docs/decode-speed.md), and must have run (the
-    scores differ) where the tiled layout serves it; elsewhere int8 is refused with a warning and
-    the float op serves, identically."""
+    dense model (measured: 0.032 against 0.93 nats, the table in NVFP4 too;
+    docs/decode-speed.md), and must have run (the scores differ) where the tiled layout serves
+    it; elsewhere the float op serves, identically.
+
+    The embedding is in NVFP4 too (``--quant-embedding``, untied: its own table, tiled at load
+    as the projections are), and the float model is first checked to be exactly the stock model
+    on the dequantized weights, table included."""
     from attnquant_kernels.layout import cpu_prefers_tiled
     from attnquant_max import decode_logprobs, greedy_generate, greedy_logprobs
 
-    from .conftest import load_tiny
-    from .test_nvfp4_serving import NVFP4, PROMPTS
+    from .conftest import load_tiny, write_tiny_llama
+    from .test_nvfp4_serving import NVFP4, PROMPTS, _dequantized_tensors, assert_serves_like
 
-    fused = replace(NVFP4, nvfp4_kernel="fused", quant_head=True, nvfp4_int8=False)
+    fused = replace(
+        NVFP4, nvfp4_kernel="fused", quant_head=True, quant_embedding=True, nvfp4_int8=False
+    )
     int8 = replace(fused, nvfp4_int8=True)  # the default
     long = "The quick brown fox jumps over the lazy dog."
+    tensors = _dequantized_tensors()
+    for key in ("lm_head.weight", "model.embed_tokens.weight"):
+        tensors[key] = dequantize_nvfp4(quantize_nvfp4(tensors[key]))
+    reference_dir = write_tiny_llama(tmp_path / "dequantized", tensors)
     with (
         load_tiny(tiny_dense) as dense,
         load_tiny(tiny_dense, fused) as model,
         load_tiny(tiny_dense, int8) as quantized,
     ):
+        with load_tiny(reference_dir) as reference:
+            assert_serves_like(model, reference, [*PROMPTS, long])
         worst, weights = 0.0, 0.0
         for prompt in [*PROMPTS, long]:
             ids = model.encode(prompt)

@@ -24,7 +24,13 @@ NVFP4_EMULATED = (
 #: What ``--quant-head`` adds to the start-up line.
 NVFP4_HEAD = (
     "the output head in NVFP4 too (--quant-head, ATTNQUANT_QUANT_HEAD=1; a tied head quantized "
-    "from the embedding table, which stays float)"
+    "from the embedding table, which stays float unless --quant-embedding)"
+)
+
+#: What ``--quant-embedding`` adds to the start-up line.
+NVFP4_EMBEDDING = (
+    "the embedding table in NVFP4 too (--quant-embedding, ATTNQUANT_QUANT_EMBEDDING=1; its rows "
+    "gathered packed and decoded in the graph, a tied model's from the head's bytes)"
 )
 
 #: How each ``--nvfp4-kernel`` runs a projection of an NVFP4-``W0`` checkpoint.
@@ -71,6 +77,7 @@ def describe_plan(plan: ServingPlan) -> str:
     where = f"{plan.source} checkpoint {plan.model_path}"
     why = f"; chosen by {plan.reason}" if plan.reason else ""
     head = f"; {NVFP4_HEAD}" if plan.head_nvfp4 else ""
+    head += f"; {NVFP4_EMBEDDING}" if plan.embedding_nvfp4 else ""
     if not plan.rebuilds:
         return f"attnquant: serving {where} unchanged (passthrough, no rebuild){why}"
     g = _blocks(plan)

@@ -1,5 +1,6 @@
 """NVFP4 in the graph, below the layers of :mod:`attnquant_max._nvfp4_layers`: the decoding
-tables and :func:`dequantize_in_graph`, the shapes of the three packed weights
+tables, :func:`dequantize_in_graph` and :func:`gather_nvfp4_rows` (an embedding lookup over
+packed rows, row-major or tiled), the shapes of the three packed weights
 (:func:`packed_specs`), the row helpers the layers branch and fold with (:func:`by_rows`,
 :func:`on_rows`), and the start-up measurement of the fused op against the dequantized form
 (:func:`measure_nvfp4`, on the layout :func:`nvfp4_tiled` picks).
@@ -17,7 +18,7 @@ from max.graph import DeviceRef, StaticDim, TensorType, TensorValue, Weight, ops
 
 from attnquant_core.forms import BLOCK_SIZE, E2M1_VALUES, E4M3_VALUES, check_nvfp4_shape
 from attnquant_kernels.graph import generated_linear_nvfp4
-from attnquant_kernels.layout import cpu_prefers_tiled, tile_nvfp4
+from attnquant_kernels.layout import TILE_ROWS, cpu_prefers_tiled, tile_nvfp4
 
 __all__ = [
     "DENSE_FROM_ROWS",
@@ -25,6 +26,7 @@ __all__ = [
     "NVFP4Band",
     "by_rows",
     "dequantize_in_graph",
+    "gather_nvfp4_rows",
     "measure_nvfp4",
     "nvfp4_tiled",
     "on_rows",
@@ -103,17 +105,76 @@ def dequantize_in_graph(
 
     Float32 arithmetic in the reference's order: ``E2M1[code] * (scale * scale_2)``.
     """
+    return _decode_rows(weight, weight_scale, weight_scale_2, dtype)
+
+
+def _decode_rows(
+    weight: TensorValue, weight_scale: TensorValue, weight_scale_2: TensorValue, dtype: DType
+) -> TensorValue:
+    """Row-major packed rows ``[M, in/2]`` and their scale bytes ``[M, in/16]`` (``M`` static or
+    not) decoded to ``[M, in]`` of ``dtype``, as :func:`dequantize_in_graph` says."""
     device = weight.device
-    out_dim, half = (int(d) for d in weight.shape)
-    in_dim = 2 * half
+    in_dim = 2 * int(weight.shape[1])
+    rows = weight.shape[0]
     pairs = ops.constant(E2M1_PAIR_TABLE, DType.float32, device=device)
-    values = ops.gather(pairs, ops.cast(weight, DType.int32), axis=0)  # [out, in/2, 2]
-    values = ops.reshape(values, [out_dim, in_dim // BLOCK_SIZE, BLOCK_SIZE])
+    values = ops.gather(pairs, ops.cast(weight, DType.int32), axis=0)  # [M, in/2, 2]
+    values = ops.reshape(values, [rows, in_dim // BLOCK_SIZE, BLOCK_SIZE])
     table = ops.constant(_E4M3_TABLE, DType.float32, device=device)
-    scales = ops.gather(table, ops.cast(weight_scale, DType.int32), axis=0)  # [out, in/16]
+    scales = ops.gather(table, ops.cast(weight_scale, DType.int32), axis=0)  # [M, in/16]
     step = scales * ops.reshape(weight_scale_2, [])
-    W = ops.reshape(values * ops.unsqueeze(step, -1), [out_dim, in_dim])
+    W = ops.reshape(values * ops.unsqueeze(step, -1), [rows, in_dim])
     return ops.cast(W, dtype) if dtype != DType.float32 else W
+
+
+def _unit_index(rows: TensorValue, num_rows: int, units: int, *, tiled: bool) -> TensorValue:
+    """``[M, units]``: where unit ``u`` of each row of ``rows [M]`` (int64) sits in a weight of
+    ``num_rows`` rows held as ``num_rows * units`` equal units (the layout of
+    :func:`attnquant_kernels.layout.tile_nvfp4`: in a tile of 16 rows, unit ``u`` of the 16 rows
+    side by side; the rows past the last whole tile, and a row-major weight, row after row)."""
+    r = ops.unsqueeze(rows, -1)  # [M, 1]
+    u = ops.constant(np.arange(units, dtype=np.int64), DType.int64, device=rows.device)
+    row_major = r * units + u
+    whole = (num_rows // TILE_ROWS) * TILE_ROWS
+    if not tiled or whole == 0:
+        return row_major
+    in_tile = ((r // TILE_ROWS) * units + u) * TILE_ROWS + r % TILE_ROWS
+    return in_tile if whole == num_rows else ops.where(r < whole, in_tile, row_major)
+
+
+def gather_nvfp4_rows(
+    weight: TensorValue,
+    weight_scale: TensorValue,
+    weight_scale_2: TensorValue,
+    ids: TensorValue,
+    dtype: DType,
+    *,
+    tiled: bool = False,
+) -> TensorValue:
+    """Rows ``ids`` of an NVFP4 ``W [N, K]``, decoded: ``[*ids.shape, K]`` of ``dtype``.
+
+    An embedding lookup over a table held at 4.5 bits a weight: only the packed bytes and scales
+    of the rows asked for are gathered (one 32-bit word of codes per 8 inputs, one scale byte per
+    16), then decoded as :func:`dequantize_in_graph` decodes a whole weight, so row ``i`` is
+    exactly row ``i`` of :func:`attnquant_core.forms.dequantize_nvfp4`. ``tiled``: the weight and
+    scales hold the tiled layout of :func:`attnquant_kernels.layout.tile_nvfp4` (a tied head's
+    bytes, read where the fused op reads them).
+    """
+    num_rows, half = (int(d) for d in weight.shape)
+    in_dim = 2 * half
+    flat = ops.reshape(ops.cast(ids, DType.int64), [-1])
+    words, blocks = in_dim // 8, in_dim // BLOCK_SIZE
+    packed = ops.gather(
+        ops.reshape(weight, [num_rows * words, 4]),
+        _unit_index(flat, num_rows, words, tiled=tiled),
+        axis=0,
+    )  # [M, K/8, 4]
+    scales = ops.gather(
+        ops.reshape(weight_scale, [num_rows * blocks]),
+        _unit_index(flat, num_rows, blocks, tiled=tiled),
+        axis=0,
+    )  # [M, K/16]
+    rows = _decode_rows(ops.reshape(packed, [-1, half]), scales, weight_scale_2, dtype)
+    return rows if ids.rank == 1 else ops.reshape(rows, [*ids.shape, in_dim])
 
 
 def nvfp4_tiled(device: DeviceRef) -> bool:

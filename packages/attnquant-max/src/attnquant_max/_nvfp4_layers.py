@@ -81,6 +81,7 @@ from ._nvfp4_graph import (
     NVFP4Band,
     by_rows,
     dequantize_in_graph,
+    gather_nvfp4_rows,
     measure_nvfp4,
     nvfp4_tiled,
     on_rows,
@@ -91,10 +92,12 @@ __all__ = [
     "DENSE_FROM_ROWS",
     "E2M1_PAIR_TABLE",
     "NVFP4Band",
+    "NVFP4Embedding",
     "NVFP4Linear",
     "NVFP4MergedLinear",
     "NVFP4StackedLinear",
     "dequantize_in_graph",
+    "gather_nvfp4_rows",
     "measure_nvfp4",
     "merge_nvfp4",
     "nvfp4_fused",
@@ -173,25 +176,7 @@ class NVFP4Linear(Module):
             raise ValueError("NVFP4Linear: a correction of rank > 0 needs theta=True")
         self.in_dim, self.out_dim, self.dtype, self.fused = in_dim, out_dim, dtype, fused
         self.theta, self.rank = theta, rank
-        specs = packed_specs(out_dim, in_dim)
-        shapes = [shape for _, shape in specs]
-        if band is None:
-            self.weight, self.weight_scale, self.weight_scale_2 = (
-                Weight(name, dt, shape, device=device)
-                for name, (dt, shape) in zip(
-                    ("weight", "weight_scale", "weight_scale_2"), specs, strict=True
-                )
-            )
-            band = (self.weight, self.weight_scale, self.weight_scale_2)
-        else:
-            got = [list(w.shape.static_dims) for w in band]
-            if got != shapes or [w.dtype for w in band] != [dt for dt, _ in specs]:
-                raise ValueError(
-                    f"NVFP4 band {band[0].name}: {got} does not hold a [{out_dim}, {in_dim}] "
-                    f"NVFP4 weight (expected {shapes}, uint8/uint8/float32)"
-                )
-        # A reference, not a registered weight, when the band's owner registers it.
-        object.__setattr__(self, "_band", band)
+        _hold_packed(self, out_dim, in_dim, device, band)
         if theta:
             self.theta_s = Weight("theta_s", dtype, [out_dim], device=device)
         if rank:
@@ -291,6 +276,77 @@ class NVFP4Linear(Module):
         if self.fused:
             return self.fused_call(x)
         return self.dense_call(x)
+
+
+def _hold_packed(
+    module: Module, out_dim: int, in_dim: int, device: DeviceRef, band: NVFP4Band | None
+) -> None:
+    """Give ``module`` the three weights of an NVFP4 ``[out_dim, in_dim]`` weight as ``_band``:
+    its own (``weight``, ``weight_scale``, ``weight_scale_2``, registered) when ``band`` is
+    ``None``, else a reference to ``band`` (registered by its owner), checked for shape."""
+    specs = packed_specs(out_dim, in_dim)
+    shapes = [shape for _, shape in specs]
+    if band is None:
+        module.weight, module.weight_scale, module.weight_scale_2 = (
+            Weight(name, dt, shape, device=device)
+            for name, (dt, shape) in zip(
+                ("weight", "weight_scale", "weight_scale_2"), specs, strict=True
+            )
+        )
+        band = (module.weight, module.weight_scale, module.weight_scale_2)
+    else:
+        got = [list(w.shape.static_dims) for w in band]
+        if got != shapes or [w.dtype for w in band] != [dt for dt, _ in specs]:
+            raise ValueError(
+                f"NVFP4 band {band[0].name}: {got} does not hold a [{out_dim}, {in_dim}] "
+                f"NVFP4 weight (expected {shapes}, uint8/uint8/float32)"
+            )
+    # A reference, not a registered weight, when the band's owner registers it.
+    object.__setattr__(module, "_band", band)
+
+
+class NVFP4Embedding(Module):
+    """An embedding lookup over an NVFP4 table ``[vocab, hidden]`` (``--quant-embedding``): the
+    tokens' rows gathered packed (4.5 bits a weight) and decoded in the graph
+    (:func:`gather_nvfp4_rows`), each exactly its row of
+    :func:`attnquant_core.forms.dequantize_nvfp4`.
+
+    Parameters
+    ----------
+    vocab_size, hidden_dim : int
+        The table is ``[vocab_size, hidden_dim]``; ``hidden_dim`` a multiple of 16.
+    dtype : DType
+        The activation dtype the rows are cast to.
+    device : DeviceRef
+    band : NVFP4Band, optional
+        A table held elsewhere: a tied model's NVFP4 head (``lm_head``), so the model holds
+        its 4-bit bytes once. ``None``: the module owns ``weight``, ``weight_scale``,
+        ``weight_scale_2`` (``embed_tokens.*``).
+    tiled : bool
+        The table holds the tiled layout (:func:`attnquant_kernels.layout.tile_nvfp4`) that
+        the model's fused projections read on this CPU.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_dim: int,
+        *,
+        dtype: DType,
+        device: DeviceRef,
+        band: NVFP4Band | None = None,
+        tiled: bool = False,
+    ) -> None:
+        super().__init__()
+        check_nvfp4_shape((vocab_size, hidden_dim))
+        self.vocab_size, self.hidden_dim, self.dtype = vocab_size, hidden_dim, dtype
+        self.device, self.tiled = device, tiled
+        _hold_packed(self, vocab_size, hidden_dim, device, band)
+
+    def __call__(self, indices: TensorValue) -> TensorValue:
+        w, ws, ws2 = (TensorValue(t).to(self.device) for t in self._band)
+        ids = TensorValue(indices).to(self.device)
+        return gather_nvfp4_rows(w, ws, ws2, ids, self.dtype, tiled=self.tiled)
 
 
 class NVFP4StackedLinear(Module):

@@ -112,6 +112,12 @@ class ServingPlan:
         return self.options.quant_head and (self.quantized or self.nvfp4_w0 or self.in_graph)
 
     @property
+    def embedding_nvfp4(self) -> bool:
+        """Whether the embedding table is quantized at load too (``--quant-embedding`` beside
+        an NVFP4 head); a tied model's lookup then reads the head's bytes."""
+        return self.options.quant_embedding and self.head_nvfp4
+
+    @property
     def rebuilds(self) -> bool:
         """Whether the state MAX loads differs from the checkpoint's (``False`` only for a
         dense checkpoint at passthrough on the stock graph)."""
@@ -155,7 +161,18 @@ def plan_serving(model_path: str | Path, options: ServingOptions | None = None) 
         The checkpoint cannot be read (``BandMismatchError`` for keys that miss their bands).
     """
     options = ServingOptions() if options is None else options
-    path = Path(model_path)
+    plan = _plan_serving(Path(model_path), options)
+    if options.quant_embedding and not plan.head_nvfp4:
+        raise NotImplementedError(
+            f"{plan.model_path}: --quant-embedding (ATTNQUANT_QUANT_EMBEDDING=1) puts the "
+            "embedding table in NVFP4 beside an NVFP4 head: pass --quant-head too (with "
+            "--quant nvfp4 or on an in-graph path), or drop --quant-embedding"
+        )
+    return plan
+
+
+def _plan_serving(path: Path, options: ServingOptions) -> ServingPlan:
+    """:func:`plan_serving` before the refusals that read the finished plan."""
     theta = is_theta_checkpoint(path)
     ckpt = ThetaCheckpoint.open(path, blocks=options.blocks) if theta else None
     in_graph_ok, why_not = _in_graph_possible(path, ckpt)

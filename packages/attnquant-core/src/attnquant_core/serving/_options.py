@@ -106,6 +106,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "The output head in NVFP4 too, beside NVFP4 projections or on an in-graph path.",
     ),
     OptionSpec(
+        "quant_embedding",
+        "--quant-embedding/--no-quant-embedding",
+        "ATTNQUANT_QUANT_EMBEDDING",
+        "0",
+        "With --quant-head: the embedding table in NVFP4 too, its rows gathered packed and "
+        "decoded in the graph; a tied model holds one 4-bit table for both.",
+    ),
+    OptionSpec(
         "nvfp4_kernel",
         "--nvfp4-kernel",
         "ATTNQUANT_NVFP4_KERNEL",
@@ -196,7 +204,15 @@ def _whole_number(name: str, raw: str, *, minimum: int, allowed: str) -> int:
     return value
 
 
-_BOOLS = ("quant_head", "nvfp4_tiled", "nvfp4_int8", "nvfp4_merge", "qkv_fuse", "fused_mlp")
+_BOOLS = (
+    "quant_head",
+    "quant_embedding",
+    "nvfp4_tiled",
+    "nvfp4_int8",
+    "nvfp4_merge",
+    "qkv_fuse",
+    "fused_mlp",
+)
 _BLOCKS_ALLOWED = "a whole number >= 1, or 'layers' for passthrough (one block per layer)"
 
 
@@ -247,6 +263,8 @@ class ServingOptions:
         Quantize each ``W_eff`` at load.
     quant_head : bool
         The output head in NVFP4 too (a tied head quantized from the embedding table).
+    quant_embedding : bool
+        With ``quant_head``: the embedding table in NVFP4 too (a tied model's is the head's).
     nvfp4_kernel : "auto", "fused" or "dequantize"
         How NVFP4 projections run.
     nvfp4_tiled, nvfp4_merge : bool
@@ -262,6 +280,7 @@ class ServingOptions:
     rank: int = 16
     quant: Quant | None = None
     quant_head: bool = False
+    quant_embedding: bool = False
     nvfp4_kernel: NVFP4Kernel = "auto"
     nvfp4_tiled: bool = True
     nvfp4_int8: bool = True

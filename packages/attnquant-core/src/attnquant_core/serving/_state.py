@@ -81,6 +81,11 @@ class StatePlan(Protocol):
         """Whether the output head is quantized to NVFP4 at load."""
         ...
 
+    @property
+    def embedding_nvfp4(self) -> bool:
+        """Whether the embedding table is quantized to NVFP4 at load too (beside the head)."""
+        ...
+
 
 #: The output head of a Hugging Face Llama checkpoint (``--quant-head`` quantizes it).
 HEAD_KEY = "lm_head.weight"
@@ -96,39 +101,55 @@ def _nvfp4_parts(key: str, q: Any) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def with_nvfp4_head(
-    items: Iterable[tuple[str, np.ndarray]], *, model_path: str | Path = ""
+    items: Iterable[tuple[str, np.ndarray]],
+    *,
+    model_path: str | Path = "",
+    embedding: bool = False,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """``items`` with the output head ``lm_head.weight`` quantized to NVFP4 (three tensors).
 
     A tied model has no ``lm_head.weight``: its head is quantized from the embedding table,
     which is passed on unchanged (the embedding gathers float rows; the head reads 4.5 bits per
-    weight). Everything else passes unchanged.
+    weight). With ``embedding`` the table is quantized too: an untied model's
+    ``embed_tokens.weight`` becomes three tensors under its own name; a tied model's is not
+    handed on at all, its lookup reading the head's (one 4-bit table for both, as llama.cpp
+    holds a tied table once). Everything else passes unchanged.
 
     Raises
     ------
     CheckpointError
         Neither a head nor an embedding table to quantize it from.
     NVFP4Error
-        The head holds NaN/Inf, or its input size is not a multiple of 16.
+        The head or the table holds NaN/Inf, or its input size is not a multiple of 16.
     """
-    embedding: tuple[str, np.ndarray] | None = None
+    table: tuple[str, np.ndarray] | None = None
     head = False
     for key, array in items:
         if key == HEAD_KEY:
             head = True
             yield from _nvfp4_parts(key, quantize_nvfp4(array, name=key))
             continue
-        if key.endswith(_EMBEDDING_KEY) and embedding is None:
-            embedding = (key, array)
+        if key.endswith(_EMBEDDING_KEY) and table is None:
+            table = (key, array)
+            if embedding:  # quantized below, once it is known whether the head is tied
+                continue
         yield key, array
-    if head:
-        return
-    if embedding is None:
+    if table is None and not head:
         raise CheckpointError(
             f"{model_path}: --quant-head (ATTNQUANT_QUANT_HEAD) found neither {HEAD_KEY} nor an "
             f"{_EMBEDDING_KEY} (a tied head) to quantize"
         )
-    yield from _nvfp4_parts(HEAD_KEY, quantize_nvfp4(embedding[1], name=embedding[0]))
+    if table is None:
+        if embedding:
+            raise CheckpointError(
+                f"{model_path}: --quant-embedding (ATTNQUANT_QUANT_EMBEDDING) found no "
+                f"{_EMBEDDING_KEY} to quantize"
+            )
+        return
+    if head and embedding:
+        yield from _nvfp4_parts(table[0], quantize_nvfp4(table[1], name=table[0]))
+    elif not head:
+        yield from _nvfp4_parts(HEAD_KEY, quantize_nvfp4(table[1], name=table[0]))
 
 
 def theta_state(plan: StatePlan) -> Iterator[tuple[str, np.ndarray]]:
@@ -252,8 +273,11 @@ def quantized_state(plan: StatePlan) -> Iterator[tuple[str, np.ndarray]]:
 def _with_head(
     plan: StatePlan, items: Iterator[tuple[str, np.ndarray]]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """``items``, the head quantized too where :attr:`head_nvfp4` (:func:`with_nvfp4_head`)."""
-    return with_nvfp4_head(items, model_path=plan.model_path) if plan.head_nvfp4 else items
+    """``items``, the head quantized too where :attr:`head_nvfp4` and the embedding table where
+    :attr:`embedding_nvfp4` (:func:`with_nvfp4_head`)."""
+    if not plan.head_nvfp4:
+        return items
+    return with_nvfp4_head(items, model_path=plan.model_path, embedding=plan.embedding_nvfp4)
 
 
 def dense_state(plan: StatePlan) -> Iterator[tuple[str, np.ndarray]]:

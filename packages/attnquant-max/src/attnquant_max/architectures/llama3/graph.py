@@ -12,7 +12,9 @@ block, the three modules that hold projection weights:
 Families banded with a ``W0`` stored in NVFP4 (format version 4) are NVFP4 layers with ``s``,
 ``U``, ``V`` in the same model, beside any float form, their packed bytes held once per band.
 :class:`NVFP4Llama3` swaps every projection for an NVFP4 layer (``--quant nvfp4``). In either,
-``--quant-head`` swaps the head for one too (the state then holds ``lm_head.weight_scale_2``).
+``--quant-head`` swaps the head for one too (the state then holds ``lm_head.weight_scale_2``),
+and ``--quant-embedding`` the embedding for an NVFP4 lookup (:class:`NVFP4Embedding`: its own
+``embed_tokens.*`` tensors, or a tied model's head bytes).
 Importing this module imports ``max.pipelines`` (~15 s).
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from max.dtype import DType
 from max.pipelines.architectures.llama3.llama3 import Llama3
@@ -30,6 +32,7 @@ from attnquant_core.serving import InGraphLayout, ServingOptions
 
 from ..._layers import ThetaBuilder, ThetaMLP
 from ..._nvfp4_layers import (
+    NVFP4Embedding,
     NVFP4Linear,
     NVFP4MergedLinear,
     NVFP4StackedLinear,
@@ -37,9 +40,21 @@ from ..._nvfp4_layers import (
     nvfp4_tiled,
 )
 
-__all__ = ["GATE_UP", "MERGED", "MERGED_NAMES", "QKV", "NVFP4Llama3", "ThetaLlama3"]
+__all__ = [
+    "GATE_UP",
+    "MERGED",
+    "MERGED_NAMES",
+    "QKV",
+    "EmbeddingTable",
+    "NVFP4Llama3",
+    "ThetaLlama3",
+]
 
 logger = logging.getLogger(__name__)
+
+#: Where an NVFP4 embedding's table is (``--quant-embedding``): its own ``embed_tokens.*``
+#: tensors, or a tied model's head (``lm_head.*``); ``None``: the stock float table.
+EmbeddingTable = Literal["own", "head"] | None
 
 
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -95,6 +110,7 @@ class ThetaLlama3(Llama3):
         layout: InGraphLayout,
         *,
         head: bool = False,
+        embedding: EmbeddingTable = None,
         options: ServingOptions | None = None,
     ) -> None:
         _refuse_unsupported(
@@ -137,6 +153,7 @@ class ThetaLlama3(Llama3):
         self.layout = layout
         if head:
             _nvfp4_head(self, config, fused=fused, tiled=self.nvfp4_tiled, int8=self.nvfp4_int8)
+        _nvfp4_embedding(self, config, embedding, tiled=self.nvfp4_tiled)
 
 
 class NVFP4Llama3(Llama3):
@@ -153,7 +170,12 @@ class NVFP4Llama3(Llama3):
     """
 
     def __init__(
-        self, config: Llama3Config, *, head: bool = False, options: ServingOptions | None = None
+        self,
+        config: Llama3Config,
+        *,
+        head: bool = False,
+        embedding: EmbeddingTable = None,
+        options: ServingOptions | None = None,
     ) -> None:
         _refuse_unsupported(config, "NVFP4 serving (--quant nvfp4)")
         super().__init__(config)
@@ -195,6 +217,7 @@ class NVFP4Llama3(Llama3):
             block.replace_module("mlp", mlp)
         if head:
             _nvfp4_head(self, config, fused=fused, tiled=tiled, int8=int8)
+        _nvfp4_embedding(self, config, embedding, tiled=tiled)
 
 
 def _nvfp4_int8(options: ServingOptions, *, fused: bool, tiled: bool) -> bool:
@@ -244,6 +267,33 @@ def _nvfp4_head(
             fused=fused,
             tiled=tiled,
             int8=int8,
+        ),
+    )
+
+
+def _nvfp4_embedding(
+    model: Llama3, config: Llama3Config, table: EmbeddingTable, *, tiled: bool
+) -> None:
+    """Swap the stock embedding for an NVFP4 lookup (``--quant-embedding``) over its own
+    tensors or, ``table="head"``, the NVFP4 head's (a tied model: one 4-bit table), in the
+    layout the model's fused projections hold (``tiled``)."""
+    if table is None:
+        return
+    band = None
+    if table == "head":
+        head = model.lm_head
+        if not isinstance(head, NVFP4Linear):
+            raise ValueError("a tied NVFP4 embedding reads the NVFP4 head: --quant-head")
+        band = (head.weight, head.weight_scale, head.weight_scale_2)
+    model.replace_module(
+        "embed_tokens",
+        NVFP4Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=config.dtype,
+            device=config.devices[0],
+            band=band,
+            tiled=tiled,
         ),
     )
 

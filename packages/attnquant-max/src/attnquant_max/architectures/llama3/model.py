@@ -29,7 +29,7 @@ from attnquant_kernels.layout import tile_nvfp4
 
 from ..._nvfp4_layers import merge_nvfp4
 from ..._plan import ServingPlan
-from .graph import MERGED, MERGED_NAMES, NVFP4Llama3, ThetaLlama3
+from .graph import MERGED, MERGED_NAMES, EmbeddingTable, NVFP4Llama3, ThetaLlama3
 
 __all__ = ["ThetaLlama3Model", "count_matmuls", "decoder_graph"]
 
@@ -89,11 +89,24 @@ def _tile_state(state: dict[str, Any]) -> int:
 
 #: The per-tensor scale of an NVFP4 head (``--quant-head``), in MAX names.
 HEAD_SCALE_2 = "lm_head.weight_scale_2"
+#: The per-tensor scale of an NVFP4 embedding table of its own (``--quant-embedding``, untied).
+EMBEDDING_SCALE_2 = "embed_tokens.weight_scale_2"
 
 
 def _is_nvfp4_state(state_dict: Mapping[str, Any]) -> bool:
-    """Whether the projections are NVFP4 (``--quant nvfp4``); the head is not asked."""
-    return any(key.endswith(".weight_scale_2") and key != HEAD_SCALE_2 for key in state_dict)
+    """Whether the projections are NVFP4 (``--quant nvfp4``); the head and embedding not asked."""
+    return any(
+        key.endswith(".weight_scale_2") and key not in (HEAD_SCALE_2, EMBEDDING_SCALE_2)
+        for key in state_dict
+    )
+
+
+def _embedding_table(state_dict: Mapping[str, Any], plan: ServingPlan) -> EmbeddingTable:
+    """Where the NVFP4 embedding's table is (``--quant-embedding``): its own tensors when the
+    state holds them, else (a tied model) the head's; ``None`` for the stock float table."""
+    if not plan.embedding_nvfp4:
+        return None
+    return "own" if EMBEDDING_SCALE_2 in state_dict else "head"
 
 
 def _layout_of(state_dict: Mapping[str, Any], plan: ServingPlan) -> InGraphLayout | None:
@@ -139,9 +152,10 @@ class ThetaLlama3Model(Llama3Model):
         if plan is None:  # a stock adapter's state (GGUF): the stock model
             return dict(super().graph_specs(model_config))
         head = HEAD_SCALE_2 in self.state_dict  # --quant-head
+        embedding = _embedding_table(self.state_dict, plan)  # --quant-embedding
         if _is_nvfp4_state(self.state_dict):
             self._single_device("NVFP4 serving (--quant nvfp4) runs on one device", model_config)
-            model = NVFP4Llama3(model_config, head=head, options=plan.options)
+            model = NVFP4Llama3(model_config, head=head, embedding=embedding, options=plan.options)
             specs = {GraphRole.DECODER: self._spec(model_config, model)}
         elif (layout := _layout_of(self.state_dict, plan)) is None:
             if head:
@@ -153,7 +167,9 @@ class ThetaLlama3Model(Llama3Model):
                 "--path precompute-outside" + (" and no --quant" if layout.nvfp4 else ""),
                 model_config,
             )
-            model = ThetaLlama3(model_config, layout, head=head, options=plan.options)
+            model = ThetaLlama3(
+                model_config, layout, head=head, embedding=embedding, options=plan.options
+            )
             specs = {GraphRole.DECODER: self._spec(model_config, model)}
         self.weight_bytes = _nbytes(specs[GraphRole.DECODER].weights_registry())
         logger.info(
