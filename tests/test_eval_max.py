@@ -55,3 +55,17 @@ def test_decode_steps_score_windows_as_the_echo_forward_does(demo, theta_dir, ca
         assert s["perplexity"] == pytest.approx(e["perplexity"], rel=1e-4)
         assert s["top1_agreement"] == pytest.approx(e["top1_agreement"], abs=2 / 508)
         assert s["kl"] == pytest.approx(e["kl"], rel=1e-2, abs=1e-5)
+
+
+def test_the_base_is_the_reference_unquantized_and_the_others_are_quantized_at_load(demo, capsys):
+    """``eval demo demo --quant nvfp4 --quant-head --quant-embedding``: the base is served as it
+    is (the figures of ``eval demo`` alone), the second checkpoint with every weight, head and
+    table in NVFP4, so its KL and agreement are against the float model."""
+    common = ("--forward", "max", "--nvfp4-kernel", "dequantize")
+    alone = _eval(capsys, "demo", *common)
+    quant = ("--quant", "nvfp4", "--quant-head", "--quant-embedding")
+    base, quantized = _eval(capsys, "demo", "demo", *common, *quant)["results"]
+    assert base["perplexity"] == pytest.approx(alone["results"][0]["perplexity"], rel=1e-6)
+    assert base["kl"] == 0.0 and base["top1_agreement"] == 1.0
+    assert quantized["kl"] > 1e-4 and quantized["top1_agreement"] < 1.0
+    assert quantized["perplexity_ratio"] != 1.0

@@ -141,7 +141,9 @@ def evaluate_command(
 
     Held-out text: --data, or for the demo model a shipped sample it was not trained on.
     Every window of --seq-len tokens predicts its next tokens, through MAX or attnquant-core's
-    numpy forward (--forward; the output says which).
+    numpy forward (--forward; the output says which). With checkpoints after it, BASE is
+    served without quantization at load (--quant, --quant-head and --quant-embedding apply to
+    the others), so `eval demo demo --quant nvfp4` judges load-time quantization.
     """
     base_path, is_demo = resolve_model(base)
     paths = [base_path] + [resolve_model(c)[0] for c in checkpoints or []]

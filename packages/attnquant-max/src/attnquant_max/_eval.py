@@ -25,6 +25,7 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "load_echo_pipeline",
     "max_unavailable",
     "planned_length",
+    "reference_options",
     "window_logprobs",
 ]
 
@@ -190,6 +192,11 @@ def evaluate_max(
     log-probabilities are kept for the KL of the others, in memory up to ``spill_bytes`` and
     in a temporary file above it. ``progress(checkpoint, windows_done, windows)``.
 
+    With more than one checkpoint the base is the reference the others' KL and agreement are
+    taken against, so it is served without quantization at load (:func:`reference_options`:
+    ``--quant``, ``--quant-head``, ``--quant-embedding`` apply to the others): ``eval demo demo
+    --quant nvfp4`` judges the load-time quantization against the model it quantizes.
+
     ``decode_steps``: score each window as serving computes it, its first token prefilled and
     every next one fed back as a single-row decode step (:func:`~attnquant_max.decode_step_logits`,
     on the serving graph, not the echo one), so arithmetic that runs only in decode steps
@@ -207,12 +214,13 @@ def evaluate_max(
         for index, path in enumerate(paths):
             tally = EvalTally(str(path))
             load = load_decode_pipeline if decode_steps else load_echo_pipeline
+            reference = index == 0 and len(paths) > 1
             with load(
                 path,
                 seq_len=T,
                 devices=devices,
                 quantization_encoding=quantization_encoding,
-                options=options,
+                options=reference_options(options) if reference else options,
             ) as model:
                 for i in range(n):
                     if decode_steps:
@@ -230,6 +238,14 @@ def evaluate_max(
                         progress(str(path), i + 1, n)
             results.append(tally.result())
     return results
+
+
+def reference_options(options: ServingOptions | None) -> ServingOptions | None:
+    """``options`` for the base of an evaluation: the same, less quantization at load
+    (``quant``, ``quant_head``, ``quant_embedding`` off), so the reference is the base itself."""
+    if options is None:
+        return None
+    return replace(options, quant=None, quant_head=False, quant_embedding=False)
 
 
 def _store(shape: tuple[int, int, int], limit: int, spill: Path) -> np.ndarray:
