@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issues 6, 7, 15 and 17: one command for a lent GPU machine.
+# The prepared GPU check of issues 6, 7, 15, 17 and 35: one command for a lent GPU machine.
 #
 # What it measures, on the first accelerator MAX sees (an NVIDIA H200 when one is lent):
 #   1. tests/test_gpu.py -m gpu -k "not nvfp4": the GPU variant of attnquant-kernels'
@@ -17,6 +17,8 @@
 #      (emulated: packed weights dequantized in the graph) against the unquantized model on
 #      devices="gpu": max |logprob delta|, greedy agreement, weight bytes; encoding float32, else
 #      bfloat16 (the one that ran is recorded)                -> $OUT/nvfp4_parity_gpu.json
+#      and, in the same step, --quant-embedding's NVFP4 row lookup (gather_nvfp4_rows) on the GPU
+#      against the numpy rows, bit for bit                    -> $OUT/nvfp4_embedding_gpu.json
 #   3. tests/test_gpu.py -m gpu -k gemma (issue 17): a tiny Gemma 3 in bfloat16 (made in numpy,
 #      4 layers, 2 sliding + 2 global, head_dim 128) served by MAX's stock Gemma3ForCausalLM, then
 #      by attnquant's architecture from the passthrough theta checkpoint (identical tokens and
@@ -339,7 +341,7 @@ else:
         "${pytest[@]}" -k "not nvfp4 and not gemma"
     step "fused NVFP4 op on the GPU: generated_linear_nvfp4 vs numpy" 120 \
         "${pytest[@]}" -k linear_nvfp4
-    step "NVFP4 on the GPU: demo model parity and weight bytes" 240 \
+    step "NVFP4 on the GPU: demo model parity, weight bytes, the embedding lookup" 240 \
         "${pytest[@]}" -k "nvfp4 and not linear_nvfp4"
     step "Gemma 3 bf16 on the GPU: stock vs theta passthrough and G=1 r=16, tok/s" 180 \
         "${pytest[@]}" -k gemma

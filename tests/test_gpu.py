@@ -20,6 +20,8 @@ Every test here is marked ``gpu`` and skipped, with the reason, where MAX sees n
 * The demo model served with ``ATTNQUANT_QUANT=nvfp4`` (the emulated path: packed weights
   dequantized in the graph) against the unquantized model on ``devices="gpu"``: logit parity and
   the weights held. ``quantization_encoding="float32"`` first, ``"bfloat16"`` when that fails.
+  Beside it, ``--quant-embedding``'s lookup (``gather_nvfp4_rows``) on the GPU against the numpy
+  rows, bit for bit (``nvfp4_embedding_gpu.json``).
 
 * A tiny Gemma 3 in bfloat16 (issue 17; MAX serves Gemma on a GPU only): MAX's stock
   ``Gemma3ForCausalLM`` on the dense checkpoint, then attnquant's architecture on the passthrough
@@ -360,6 +362,43 @@ def test_gpu_nvfp4_logs_the_emulated_path(nvfp4_parity: dict[str, Any]):
     assert any("dequantized inside the graph" in line for line in nvfp4_parity["log"]), (
         nvfp4_parity["log"]
     )
+
+
+def test_gpu_nvfp4_embedding_rows_are_the_reference_rows():
+    """``--quant-embedding`` on the GPU: an NVFP4 table's rows gathered packed and decoded in
+    the graph (row-major: the tiled layout is the CPU's) equal the numpy reference's rows, bit
+    for bit; 40 rows in a shuffled order with repeats, one graph."""
+    from max.driver import CPU, Accelerator, Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType
+
+    from attnquant_core.forms import dequantize_nvfp4, quantize_nvfp4
+    from attnquant_max._nvfp4_layers import gather_nvfp4_rows
+
+    rng = np.random.default_rng(7)
+    q = quantize_nvfp4(rng.standard_normal((40, 64)).astype(np.float32))
+    ids = rng.permutation(np.r_[np.arange(40), [39, 0, 17]]).astype(np.uint32)
+    arrays = [ids, q.weight, q.weight_scale.view(np.uint8), q.weight_scale_2.reshape(1)]
+    dev = DeviceRef.GPU()
+    types = [TensorType(DType.from_numpy(a.dtype), list(a.shape), device=dev) for a in arrays]
+    with Graph("aq_gpu_nvfp4_gather_40x64", input_types=types) as g:
+        i, w, ws, ws2 = (v.tensor for v in g.inputs)
+        g.output(gather_nvfp4_rows(w, ws, ws2, i, DType.float32))
+    gpu = Accelerator()
+    model = InferenceSession(devices=[gpu]).load(g)
+    (out,) = model.execute(*(Buffer.from_numpy(a).to(gpu) for a in arrays))
+    got = out.to(CPU()).to_numpy()
+    want = dequantize_nvfp4(q)[ids]
+    _write_report(
+        "nvfp4_embedding_gpu.json",
+        {
+            "device": _device_info(),
+            "rows": len(ids),
+            "max_abs_diff": float(np.abs(got - want).max()),
+        },
+    )
+    np.testing.assert_array_equal(got, want)
 
 
 # ---------------------------------------------------------------- Gemma 3 in bfloat16 (issue 17)
