@@ -81,7 +81,6 @@ from ._nvfp4_graph import (
     NVFP4Band,
     by_rows,
     dequantize_in_graph,
-    gather_nvfp4_rows,
     measure_nvfp4,
     nvfp4_tiled,
     on_rows,
@@ -92,12 +91,10 @@ __all__ = [
     "DENSE_FROM_ROWS",
     "E2M1_PAIR_TABLE",
     "NVFP4Band",
-    "NVFP4Embedding",
     "NVFP4Linear",
     "NVFP4MergedLinear",
     "NVFP4StackedLinear",
     "dequantize_in_graph",
-    "gather_nvfp4_rows",
     "measure_nvfp4",
     "merge_nvfp4",
     "nvfp4_fused",
@@ -303,50 +300,6 @@ def _hold_packed(
             )
     # A reference, not a registered weight, when the band's owner registers it.
     object.__setattr__(module, "_band", band)
-
-
-class NVFP4Embedding(Module):
-    """An embedding lookup over an NVFP4 table ``[vocab, hidden]`` (``--quant-embedding``): the
-    tokens' rows gathered packed (4.5 bits a weight) and decoded in the graph
-    (:func:`gather_nvfp4_rows`), each exactly its row of
-    :func:`attnquant_core.forms.dequantize_nvfp4`.
-
-    Parameters
-    ----------
-    vocab_size, hidden_dim : int
-        The table is ``[vocab_size, hidden_dim]``; ``hidden_dim`` a multiple of 16.
-    dtype : DType
-        The activation dtype the rows are cast to.
-    device : DeviceRef
-    band : NVFP4Band, optional
-        A table held elsewhere: a tied model's NVFP4 head (``lm_head``), so the model holds
-        its 4-bit bytes once. ``None``: the module owns ``weight``, ``weight_scale``,
-        ``weight_scale_2`` (``embed_tokens.*``).
-    tiled : bool
-        The table holds the tiled layout (:func:`attnquant_kernels.layout.tile_nvfp4`) that
-        the model's fused projections read on this CPU.
-    """
-
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_dim: int,
-        *,
-        dtype: DType,
-        device: DeviceRef,
-        band: NVFP4Band | None = None,
-        tiled: bool = False,
-    ) -> None:
-        super().__init__()
-        check_nvfp4_shape((vocab_size, hidden_dim))
-        self.vocab_size, self.hidden_dim, self.dtype = vocab_size, hidden_dim, dtype
-        self.device, self.tiled = device, tiled
-        _hold_packed(self, vocab_size, hidden_dim, device, band)
-
-    def __call__(self, indices: TensorValue) -> TensorValue:
-        w, ws, ws2 = (TensorValue(t).to(self.device) for t in self._band)
-        ids = TensorValue(indices).to(self.device)
-        return gather_nvfp4_rows(w, ws, ws2, ids, self.dtype, tiled=self.tiled)
 
 
 class NVFP4StackedLinear(Module):

@@ -31,8 +31,8 @@ from max.pipelines.architectures.llama3.model_config import Llama3Config
 from attnquant_core.serving import InGraphLayout, ServingOptions
 
 from ..._layers import ThetaBuilder, ThetaMLP
+from ..._nvfp4_embedding import NVFP4Embedding
 from ..._nvfp4_layers import (
-    NVFP4Embedding,
     NVFP4Linear,
     NVFP4MergedLinear,
     NVFP4StackedLinear,
