@@ -101,18 +101,11 @@ def packed_specs(out_dim: int, in_dim: int) -> tuple[tuple[DType, list[int]], ..
 def dequantize_in_graph(
     weight: TensorValue, weight_scale: TensorValue, weight_scale_2: TensorValue, dtype: DType
 ) -> TensorValue:
-    """``W [out, in]`` of ``dtype`` from packed codes, E4M3 scale bytes and the per-tensor scale.
+    """``W [out, in]`` of ``dtype`` from packed codes, E4M3 scale bytes and the per-tensor scale
+    (row-major; ``out`` static or not, so gathered rows decode the same way).
 
     Float32 arithmetic in the reference's order: ``E2M1[code] * (scale * scale_2)``.
     """
-    return _decode_rows(weight, weight_scale, weight_scale_2, dtype)
-
-
-def _decode_rows(
-    weight: TensorValue, weight_scale: TensorValue, weight_scale_2: TensorValue, dtype: DType
-) -> TensorValue:
-    """Row-major packed rows ``[M, in/2]`` and their scale bytes ``[M, in/16]`` (``M`` static or
-    not) decoded to ``[M, in]`` of ``dtype``, as :func:`dequantize_in_graph` says."""
     device = weight.device
     in_dim = 2 * int(weight.shape[1])
     rows = weight.shape[0]
@@ -173,7 +166,7 @@ def gather_nvfp4_rows(
         _unit_index(flat, num_rows, blocks, tiled=tiled),
         axis=0,
     )  # [M, K/16]
-    rows = _decode_rows(ops.reshape(packed, [-1, half]), scales, weight_scale_2, dtype)
+    rows = dequantize_in_graph(ops.reshape(packed, [-1, half]), scales, weight_scale_2, dtype)
     return rows if ids.rank == 1 else ops.reshape(rows, [*ids.shape, in_dim])
 
 
