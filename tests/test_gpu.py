@@ -374,7 +374,7 @@ def test_gpu_nvfp4_embedding_rows_are_the_reference_rows():
     from max.graph import DeviceRef, Graph, TensorType
 
     from attnquant_core.forms import dequantize_nvfp4, quantize_nvfp4
-    from attnquant_max._nvfp4_embedding import gather_nvfp4_rows
+    from attnquant_max._nvfp4_graph import gather_nvfp4_rows
 
     rng = np.random.default_rng(7)
     q = quantize_nvfp4(rng.standard_normal((40, 64)).astype(np.float32))

@@ -1,6 +1,6 @@
 """``--quant-embedding``: an embedding lookup over NVFP4 rows is exactly the reference's rows.
 
-:func:`attnquant_max._nvfp4_embedding.gather_nvfp4_rows` gathers the packed bytes and scales of the
+:func:`attnquant_max._nvfp4_graph.gather_nvfp4_rows` gathers the packed bytes and scales of the
 rows asked for, row-major or in the tiled layout a fused CPU model holds (the tied head's bytes),
 and decodes them in the graph. Here one small graph (fixed shapes, cached) gathers every row of
 a 40-row table, two whole tiles and 8 rows past them, in both layouts, against
@@ -43,7 +43,7 @@ def test_gathered_nvfp4_rows_are_the_reference_rows_in_both_layouts() -> None:
     from max.engine import InferenceSession
     from max.graph import DeviceRef, Graph, TensorType, ops
 
-    from attnquant_max._nvfp4_embedding import gather_nvfp4_rows
+    from attnquant_max._nvfp4_graph import gather_nvfp4_rows
 
     weight, scale, scale_2, reference = _table()
     tiled_weight, tiled_scale = tile_nvfp4(weight, scale)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from attnquant_core import FAMILIES, CheckpointError, is_theta_checkpoint
-from attnquant_core.serving import InGraphLayout, ServingOptions
+from attnquant_core.serving import HEAD_KEY, InGraphLayout, ServingOptions
 
 from ._keys import (
     WeightKeyError,
@@ -268,7 +268,7 @@ class ThetaWeightAdapter:
         expected = set(self.expected(huggingface_config, out))
         if plan.embedding_nvfp4:  # a tied table is not handed on: the lookup reads the head's
             tied = {k for k in expected if k.endswith("embed_tokens.weight") and k not in out}
-            expected = expected - tied | ({"lm_head.weight"} if tied else set())
+            expected = expected - tied | ({HEAD_KEY} if tied else set())
         theta: set[str] = set()
         shapes = {k: [int(d) for d in v.shape] for k, v in out.items()}
         if plan.in_graph:

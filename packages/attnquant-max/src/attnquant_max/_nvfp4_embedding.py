@@ -13,7 +13,7 @@ from attnquant_core.forms import check_nvfp4_shape
 from ._nvfp4_graph import NVFP4Band, gather_nvfp4_rows
 from ._nvfp4_layers import _hold_packed
 
-__all__ = ["NVFP4Embedding", "gather_nvfp4_rows"]
+__all__ = ["NVFP4Embedding"]
 
 
 class NVFP4Embedding(Module):
