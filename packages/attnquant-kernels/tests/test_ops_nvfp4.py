@@ -269,8 +269,8 @@ def linear_nvfp4_tiled_a8() -> OpModel:
     return build_linear_nvfp4_tiled_a8()
 
 
-#: (M, K, N, R) for int8 activations: below 8 rows the integer tiles (4, 2 and 1 rows at a
-#: time, with rows past the last tile of 16 in float), from 8 rows on the float op.
+#: (M, K, N, R) for int8 activations: the integer tiles (4, 2 and 1 rows at a time, with outputs
+#: past the last tile of 16 in float) at every row count: decode steps, streams, a prefill.
 A8_CASES = [
     (1, 16, 16, 0),  # one block, one tile
     (1, 16, 7, 16),  # no whole tile: every row in float
@@ -278,8 +278,10 @@ A8_CASES = [
     (1, 4096, 1030, 16),  # a down projection's decode, a 6-row tail in float
     (3, 272, 80, 16),  # tiles of 2 and 1 input rows, 17 blocks
     (7, 160, 130, 64),  # 4 + 2 + 1 input rows, largest rank, a 2-row tail
-    (8, 256, 48, 3),  # from 8 rows on: float
-    (16, 1024, 256, 16),  # panels: float
+    (8, 256, 48, 3),  # two tiles of 4 rows
+    (16, 1024, 256, 16),  # where the float op takes panels
+    (33, 64, 100, 5),  # 8 tiles of 4 rows and one of 1, rounded in 3 parallel chunks
+    (150, 512, 96, 16),  # 3 row chunks (64, 64, 22) x 6 tiles
 ]
 
 
@@ -294,7 +296,7 @@ def test_linear_nvfp4_a8_matches_rounded_activations_then_identity(
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    M=st.integers(1, 12),
+    M=st.integers(1, 80),
     blocks=st.integers(1, 40),
     N=st.integers(1, 100),
     R=st.integers(0, MAX_RANK),

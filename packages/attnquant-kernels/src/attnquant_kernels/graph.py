@@ -308,11 +308,11 @@ def generated_linear_nvfp4(
         ``generated_linear_nvfp4_tiled``, whose decode step reads each tile of 16 rows as one
         stream (on AVX-512 1.3-1.4x the row-major op's speed at one row). CPU only.
     activations : {"float", "int8"}
-        ``"int8"`` (tiled only): below 8 rows the op rounds each row of ``x`` to int8 per
-        block of 16 inputs (``amax / 127``) and multiplies integers
-        (``generated_linear_nvfp4_tiled_a8``, AVX-512 VNNI where the CPU has it): ``y`` is then
-        the projection of ``x`` so rounded, no longer equal to the float one to 1e-4. From 8
-        rows on, as ``"float"``.
+        ``"int8"`` (tiled only): the op rounds each row of ``x`` to int8 per block of 16
+        inputs (``amax / 127``) and multiplies integers (``generated_linear_nvfp4_tiled_a8``,
+        AVX-512 VNNI where the CPU has it), at every row count: ``y`` is then the projection
+        of ``x`` so rounded, no longer equal to the float one to 1e-4. The correction
+        ``(x V) U^T`` and the outputs past the last whole tile of 16 take float ``x``.
 
     Returns
     -------

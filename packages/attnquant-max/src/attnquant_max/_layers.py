@@ -88,7 +88,7 @@ class ThetaBuilder:
         Fused on the CPU: the packed ``W0`` are held in the tiled layout
         (:func:`attnquant_max._nvfp4_layers.nvfp4_tiled`).
     nvfp4_int8 : bool
-        Tiled: int8 activations below 8 rows (``--nvfp4-int8``).
+        Tiled: int8 activations at every row count (``--nvfp4-int8``).
     """
 
     def __init__(

@@ -134,8 +134,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "--nvfp4-int8/--no-nvfp4-int8",
         "ATTNQUANT_NVFP4_INT8",
         "1",
-        "Fused NVFP4 on the tiled layout: decode steps (below 8 rows) round the activations to "
-        "int8 per block of 16 inputs and multiply integers (AVX-512 VNNI where the CPU has it; "
+        "Fused NVFP4 on the tiled layout: the activations are rounded to int8 per block of 16 "
+        "inputs, in decode steps, batches and prompts alike, and multiplied as integers "
+        "(AVX-512 VNNI where the CPU has it; "
         "within the tolerance of docs/decode-speed.md); off keeps float activations, equal to "
         "the float projection. Where the tiled op does not serve, activations stay float.",
     ),
@@ -270,7 +271,8 @@ class ServingOptions:
     nvfp4_tiled, nvfp4_merge : bool
         Fused NVFP4: the tiled layout where the CPU has it; q/k/v and gate/up merged.
     nvfp4_int8 : bool
-        Fused NVFP4 on the tiled layout: int8 activations below 8 rows (elsewhere: no effect).
+        Fused NVFP4 on the tiled layout: int8 activations at every row count (elsewhere: no
+        effect).
     qkv_fuse, fused_mlp : bool
         GEMM path: q/k/v and gate/up batched; custom op: the MLP in one dispatch.
     """

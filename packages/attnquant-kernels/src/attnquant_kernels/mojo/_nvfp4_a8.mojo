@@ -1,4 +1,5 @@
-# attnquant kernels: the NVFP4 decode step with int8 activations (W4A8), on the tiled layout.
+# attnquant kernels: the NVFP4 projection with int8 activations (W4A8), on the tiled layout:
+# a decode step, a batch of streams and a prefill.
 #
 # The float tile (_nvfp4_lanes.mojo) spends about 3 vector instructions per 16 weights: a
 # shift, a `vpermps` lookup and an FMA. On this project's 2-core AVX-512 machine one thread
@@ -24,13 +25,15 @@
 # results on every CPU, slowly.
 
 from std.collections import Array
-from std.math import fma
+from std.math import ceildiv, fma
 from std.memory import bitcast
 from std.sys import CompilationTarget, PrefetchOptions, llvm_intrinsic, prefetch
 
+from max.algorithm import parallelize
+
 from ._common import F32, Ptr
 from ._nvfp4 import QBLOCK, U8, _nvfp4_store, e4m3
-from ._nvfp4_lanes import LANES, TILED_AHEAD, TILED_FAR, U32
+from ._nvfp4_lanes import LANES, LANES_GROUPS, TILED_AHEAD, TILED_FAR, U32
 
 comptime I8 = DType.int8
 comptime I32 = DType.int32
@@ -40,6 +43,13 @@ comptime WORD_BYTES = 64
 comptime OFFSET = 12
 # 2 * E2M1 + 12 for the 16 codes (code 8 is -0), four times: `vpshufb` looks up per 16 bytes.
 comptime E2M1_U8 = SIMD[U8, 16](12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
+
+# Rows of x one work item takes (a prefill or a batch of streams): their int8 rows, 64 x K
+# bytes (256 KiB at K = 4096), stay in L2 while each tile's weights are read again from L1 for
+# every 4 rows.
+comptime A8_ROWS = 64
+# Rows of x one thread rounds at a time, when there are more than that.
+comptime QUANT_ROWS = 16
 
 # `vpdpbusd` and `vpshufb` on 512 bits.
 # (Every CPU with AVX-512 VNNI has AVX-512 BW.)
@@ -136,15 +146,18 @@ def _a8_tile[
     m: Int,
     n: Int,
 ):
-    """Outputs [m, m + mr) x [n, n + 16) of one tile of the tiled layout, int8 activations."""
+    """Outputs [m, m + mr) x [n, n + 16) of one tile of the tiled layout, int8 activations.
+
+    Up to 4 rows, two integer and two float sums per row (halves, even and odd blocks), so the
+    chains overlap; from 8 rows on, one of each: the rows' chains overlap each other."""
+    comptime P = 2 if mr <= 4 else 1
     var nb = K // QBLOCK
     var wn = w.unsafe_offset(n * ws)
     var sn = scale.unsafe_offset(n * ss)
-    # Two float sums per row (even and odd blocks), so consecutive blocks' FMAs overlap.
-    var acc = Array[SIMD[F32, LANES], 2 * mr](fill=0)
+    var acc = Array[SIMD[F32, LANES], P * mr](fill=0)
     for b in range(nb):
         var base = wn.unsafe_offset(b * 2 * WORD_BYTES)
-        var dots = Array[SIMD[I32, LANES], 2 * mr](fill=0)
+        var dots = Array[SIMD[I32, LANES], P * mr](fill=0)
         comptime for h in range(2):
             var words = base.unsafe_load[width=64](h * WORD_BYTES)
             prefetch[PrefetchOptions().for_read().high_locality()](
@@ -158,21 +171,37 @@ def _a8_tile[
                 bitcast[U8, 64](bitcast[DType.uint16, 32](words) >> 4) & 0x0F
             )
             comptime for j in range(mr):
+                comptime d = P * j + (h if P == 2 else 0)
                 var qx = q.unsafe_offset(
                     (m + j) * K + b * QBLOCK + 8 * h
                 ).unsafe_bitcast[Int32]()
-                dots[2 * j + h] = _dot4(dots[2 * j + h], lo, qx.unsafe_load(0))
-                dots[2 * j + h] = _dot4(dots[2 * j + h], hi, qx.unsafe_load(1))
+                dots[d] = _dot4(dots[d], lo, qx.unsafe_load(0))
+                dots[d] = _dot4(dots[d], hi, qx.unsafe_load(1))
         var sc = e4m3[LANES](sn.unsafe_load[width=LANES](b * LANES).cast[U32]())
         comptime for j in range(mr):
             var row = (m + j) * nb + b
-            var dot = dots[2 * j] + dots[2 * j + 1] - xoffset.unsafe_load(row)
-            acc[2 * j + b % 2] = fma(
-                dot.cast[F32](), sc * xscale.unsafe_load(row), acc[2 * j + b % 2]
-            )
+            var dot = dots[P * j] - xoffset.unsafe_load(row)
+            comptime if P == 2:
+                dot += dots[P * j + 1]
+            var a = P * j + b % P
+            acc[a] = fma(dot.cast[F32](), sc * xscale.unsafe_load(row), acc[a])
+    if r == 0:
+        # No correction: the scales and the store 16 lanes at a time.
+        var rs = SIMD[F32, LANES](s.unsafe_load(n * s_step).cast[F32]())
+        if s_step == 1:
+            rs = s.unsafe_load[width=LANES](n).cast[F32]()
+        rs *= scale_2
+        comptime for j in range(mr):
+            var total = acc[P * j]
+            comptime if P == 2:
+                total += acc[P * j + 1]
+            dst.unsafe_store[width=LANES]((m + j) * os + n, (total * rs).cast[odt]())
+        return
     var d = Array[Float32, mr * LANES](fill=0)
     comptime for j in range(mr):
-        var total = acc[2 * j] + acc[2 * j + 1]
+        var total = acc[P * j]
+        comptime if P == 2:
+            total += acc[P * j + 1]
         comptime for i in range(LANES):
             d[j * LANES + i] = total[i]
     _nvfp4_store[sdt, odt, mr, LANES](d, scale_2, s, s_step, u, us, t, r, r, dst, os, m, n)
@@ -204,11 +233,17 @@ def nvfp4_a8_rows[
     n1: Int,
 ):
     """Outputs [m0, m1) x [n0, n1) on the calling thread (whole tiles of the tiled layout),
-    from the rows quantized by `quantize_rows_a8`; up to 4 rows share each decoded word."""
+    from the rows quantized by `quantize_rows_a8`; up to 8 rows share each decoded word."""
     var n = n0
     while n < n1:
         var m = m0
-        while m + 4 <= m1:
+        while m + 8 <= m1:
+            _a8_tile[sdt, odt, 8](
+                q, xscale, xoffset, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst,
+                os, K, m, n,
+            )
+            m += 8
+        if m + 4 <= m1:
             _a8_tile[sdt, odt, 4](
                 q, xscale, xoffset, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst,
                 os, K, m, n,
@@ -226,3 +261,90 @@ def nvfp4_a8_rows[
                 os, K, m, n,
             )
         n += LANES
+
+
+def nvfp4_a8_linear[
+    xdt: DType, sdt: DType, odt: DType
+](
+    x: Ptr[xdt],
+    xs: Int,
+    M: Int,
+    K: Int,
+    w: Ptr[U8],
+    ws: Int,
+    scale: Ptr[U8],
+    ss: Int,
+    scale_2: Float32,
+    s: Ptr[sdt],
+    s_step: Int,
+    u: Ptr[sdt],
+    us: Int,
+    t: Ptr[F32],
+    r: Int,
+    dst: Ptr[odt],
+    os: Int,
+    n0: Int,
+    n1: Int,
+):
+    """Outputs [0, M) x [n0, n1) (whole tiles) with x rounded to int8, any number of rows:
+    the rows rounded once (in parallel past QUANT_ROWS rows), then work items of up to A8_ROWS
+    rows x LANES_GROUPS tiles in parallel. A decode step is one row chunk."""
+    var nb = K // QBLOCK
+    var q_buf = List[Int8](unsafe_uninit_length=M * K)
+    var xscale_buf = List[Float32](unsafe_uninit_length=M * nb)
+    var xoffset_buf = List[Int32](unsafe_uninit_length=M * nb)
+    var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var xscale = xscale_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    var xoffset = xoffset_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
+    if M <= QUANT_ROWS:
+        quantize_rows_a8[xdt](x, xs, M, K, q, xscale, xoffset)
+    else:
+
+        def quantize_item(i: Int) {var}:
+            var m0 = i * QUANT_ROWS
+            quantize_rows_a8[xdt](
+                x.unsafe_offset(m0 * xs),
+                xs,
+                min(QUANT_ROWS, M - m0),
+                K,
+                q.unsafe_offset(m0 * K),
+                xscale.unsafe_offset(m0 * nb),
+                xoffset.unsafe_offset(m0 * nb),
+            )
+
+        parallelize(quantize_item, ceildiv(M, QUANT_ROWS))
+
+    var groups = (n1 - n0) // LANES
+    var m_chunks = ceildiv(M, A8_ROWS)
+
+    def item(i: Int) {var}:
+        var g = i // m_chunks
+        var m0 = (i % m_chunks) * A8_ROWS
+        nvfp4_a8_rows[sdt, odt](
+            q,
+            xscale,
+            xoffset,
+            w,
+            ws,
+            scale,
+            ss,
+            scale_2,
+            s,
+            s_step,
+            u,
+            us,
+            t,
+            r,
+            dst,
+            os,
+            K,
+            m0,
+            min(M, m0 + A8_ROWS),
+            n0 + g * LANES_GROUPS * LANES,
+            n0 + min(groups, (g + 1) * LANES_GROUPS) * LANES,
+        )
+
+    parallelize(item, ceildiv(groups, LANES_GROUPS) * m_chunks)
+    _ = q_buf^
+    _ = xscale_buf^
+    _ = xoffset_buf^

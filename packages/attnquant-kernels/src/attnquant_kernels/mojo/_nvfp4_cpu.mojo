@@ -11,6 +11,9 @@
 # the weight is decoded once per call, a panel of PW output columns at a time, into a scratch
 # that stays in L2 (`panel[k, c] = W[n0 + c, k] * s[n0 + c]`, then U's rows). Nothing the
 # size of W is ever written: the prefill pays no float weight in memory, only its FMAs.
+#
+# With int8 activations (`a8`, the tiled layout) every whole tile runs on the integer tiles of
+# _nvfp4_a8.mojo at any row count: a decode step, a batch of streams and a prefill alike.
 
 from std.collections import Array
 from std.math import ceildiv
@@ -21,7 +24,7 @@ from max.algorithm import parallelize
 from ._common import ADD, F32, STORE, Ptr
 from ._cpu import M_BLOCK, N_BLOCK, project_cpu
 from ._nvfp4 import QBLOCK, U8, _nvfp4_block, e2m1_x2_block, e4m3, e4m3_half_table
-from ._nvfp4_a8 import I8, I32, nvfp4_a8_rows, quantize_rows_a8
+from ._nvfp4_a8 import nvfp4_a8_linear
 from ._nvfp4_lanes import (
     LANES,
     LANES_BELOW_ROWS,
@@ -161,8 +164,8 @@ def nvfp4_linear_cpu[
     columns past the last whole panel as below). `tiled`: `w` and `scale` in the layout of
     `tile_nvfp4`; every whole tile of 16 rows then runs on the lane tiles (below the panel
     rows, and past the last whole panel), the rows past the last tile as row-major.
-    `a8` (tiled only): below LANES_BELOW_ROWS rows the tiles take x rounded to int8 per block
-    of 16 inputs (_nvfp4_a8.mojo); from there on, and on the row-major rows, float x.
+    `a8` (tiled only): at any row count the whole tiles take x rounded to int8 per block of 16
+    inputs (_nvfp4_a8.mojo, no panels); the row-major rows past them take float x.
     """
     comptime assert tiled or not a8, "int8 activations read the tiled layout"
     if M == 0 or N == 0:
@@ -175,7 +178,8 @@ def nvfp4_linear_cpu[
 
     # Tiled: the rows of whole tiles; the last N % 16 are row-major.
     var n_tiles = (N // LANES) * LANES if tiled else N
-    var panels = n_tiles // PW if M >= NVFP4_PANEL_FROM_ROWS else 0
+    # int8 activations take every whole tile at any row count: no float panels then.
+    var panels = n_tiles // PW if M >= NVFP4_PANEL_FROM_ROWS and not a8 else 0
     var n_tail = panels * PW
 
     def panel_item(i: Int) {var}:
@@ -229,49 +233,12 @@ def nvfp4_linear_cpu[
         parallelize(panel_item, panels)
 
     comptime if a8:
-        if M < LANES_BELOW_ROWS and n_tiles - n_tail >= LANES:
-            # A decode step in integers: x rounded once here, then the tiles in parallel.
-            var nb = K // QBLOCK
-            var q_buf = List[Int8](length=M * K, fill=0)
-            var xscale_buf = List[Float32](length=M * nb, fill=0)
-            var xoffset_buf = List[Int32](length=M * nb, fill=0)
-            var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-            var xscale = xscale_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-            var xoffset = xoffset_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
-            quantize_rows_a8[xdt](x, xs, M, K, q, xscale, xoffset)
-            var n_a8 = n_tail
-            var a8_groups = (n_tiles - n_tail) // LANES
-
-            def a8_item(i: Int) {var}:
-                nvfp4_a8_rows[sdt, odt](
-                    q,
-                    xscale,
-                    xoffset,
-                    w,
-                    ws,
-                    scale,
-                    ss,
-                    scale_2,
-                    s,
-                    s_step,
-                    u,
-                    us,
-                    t,
-                    r,
-                    dst,
-                    os,
-                    K,
-                    0,
-                    M,
-                    n_a8 + i * LANES_GROUPS * LANES,
-                    n_a8 + min(a8_groups, (i + 1) * LANES_GROUPS) * LANES,
-                )
-
-            parallelize(a8_item, ceildiv(a8_groups, LANES_GROUPS))
-            n_tail += a8_groups * LANES
-            _ = q_buf^
-            _ = xscale_buf^
-            _ = xoffset_buf^
+        if n_tiles - n_tail >= LANES:
+            nvfp4_a8_linear[xdt, sdt, odt](
+                x, xs, M, K, w, ws, scale, ss, scale_2, s, s_step, u, us, t, r, dst, os,
+                n_tail, n_tiles,
+            )
+            n_tail = n_tiles
 
     comptime if NVFP4_LANES or tiled:
         if (tiled or M < LANES_BELOW_ROWS) and n_tiles - n_tail >= LANES:

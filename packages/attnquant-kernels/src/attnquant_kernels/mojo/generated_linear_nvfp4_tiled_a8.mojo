@@ -1,8 +1,8 @@
-# generated_linear_nvfp4_tiled_a8: generated_linear_nvfp4_tiled whose decode steps (below 8 rows)
-# round x to int8 per block of 16 inputs and multiply integers (_nvfp4_a8.mojo: AVX-512 VNNI
-# where the CPU has it, the same integers lane by lane elsewhere). From 8 rows on, and for the
-# correction `(x V) U^T`, it is the float op. Operands as generated_linear_nvfp4.mojo; the CPU
-# only. Its result is the projection of the rounded x, not the float one (docs/decode-speed.md).
+# generated_linear_nvfp4_tiled_a8: generated_linear_nvfp4_tiled that rounds x to int8 per block
+# of 16 inputs and multiplies integers (_nvfp4_a8.mojo: AVX-512 VNNI where the CPU has it, the
+# same integers lane by lane elsewhere), at every row count: decode steps, batches, prompts.
+# The correction `(x V) U^T` and the outputs past the last whole tile take float x. Operands as
+# generated_linear_nvfp4.mojo; the CPU only. Its result is the projection of the rounded x, not the float one (docs/decode-speed.md).
 
 import extensibility as compiler
 from extensibility import InputTensor, OutputTensor
@@ -13,7 +13,7 @@ from .generated_linear_nvfp4 import execute_nvfp4
 
 @compiler.register("generated_linear_nvfp4_tiled_a8")
 struct GeneratedLinearNVFP4TiledA8:
-    """The tiled op with int8 activations below 8 rows (_nvfp4_a8.mojo)."""
+    """The tiled op with int8 activations at every row count (_nvfp4_a8.mojo)."""
 
     @staticmethod
     def execute[

@@ -244,9 +244,9 @@ def check_linear_nvfp4_tiled_a8(
     model: OpModel, M: int, K: int, N: int, R: int, seed: int = 0, *, x: np.ndarray | None = None
 ) -> None:
     """One random case of :func:`build_linear_nvfp4_tiled_a8`'s model against the float64
-    identity: below 8 rows the rows of whole tiles of 16 take ``x`` rounded as
-    :func:`quantize_activations_a8` does (the correction ``(x V) U^T`` and the rows past the
-    last tile take float ``x``); from 8 rows on, every row takes float ``x``."""
+    identity: at any row count the outputs of whole tiles of 16 take ``x`` rounded as
+    :func:`quantize_activations_a8` does; the correction ``(x V) U^T`` and the outputs past the
+    last tile take float ``x``."""
     from ..layout import tile_nvfp4
 
     rng = np.random.default_rng(seed)
@@ -256,7 +256,7 @@ def check_linear_nvfp4_tiled_a8(
     W = nvfp4_dequantize(weight, weight_scale, weight_scale_2).astype(np.float64)
     _, s, U, V = theta(rng, N, K, R)
     y, y0 = model(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
-    xq = quantize_activations_a8(x) if M < 8 else x.astype(np.float64)
+    xq = quantize_activations_a8(x)
     tiles = N // 16 * 16
     plain = x.astype(np.float64) @ W.T
     plain[:, :tiles] = xq @ W[:tiles].T
