@@ -104,7 +104,7 @@ VARIANTS = (
 LAYOUT_SUFFIXES = {
     " row-major": ("nvfp4_tiled", False, "row-major layout"),
     " per-member": ("nvfp4_merge", False, "one dispatch per q/k/v and gate/up member"),
-    " float": ("nvfp4_int8", False, "float activations in decode steps"),
+    " float": ("nvfp4_int8", False, "float activations"),
 }
 PARITY_PROMPTS = ["def main(argv):", "class Reader:", "import os\nimport sys\n", "for i in range("]
 

@@ -10,8 +10,9 @@ timed in ABBA pairs (:func:`attnquant_core.run_paired`): attnquant / llama.cpp a
 mean of within-pair ratios with a bootstrap 95% interval, beside the machine's load.
 
 The model is the synthetic Llama of ``synthetic_llama.py`` (``--shape``), served by attnquant
-as ``--aq-args`` say (default: NVFP4 with its head, attnquant's fastest 4-bit decode) and by
-llama.cpp as its own ``llama-quantize`` made it (``--llamacpp``, default Q4_K_M).
+as ``--aq-args`` say (default: NVFP4 with its head and embedding table, attnquant's fastest
+4-bit decode, at fewer bytes than Q4_K_M) and by llama.cpp as its own ``llama-quantize`` made it
+(``--llamacpp``, default Q4_K_M).
 
 Run: ``uv run --all-packages --group bench python benchmarks/bench_streams.py --shape 300m
 --out streams.json`` (llama.cpp built first: ``python benchmarks/llamacpp.py build``).
@@ -129,7 +130,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=40, help="words of each prompt")
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--aq-args", default="--quant nvfp4 --quant-head --nvfp4-kernel fused")
+    parser.add_argument(
+        "--aq-args", default="--quant nvfp4 --quant-head --quant-embedding --nvfp4-kernel fused"
+    )
     parser.add_argument("--llamacpp", default="Q4_K_M", help="llama-quantize type, or F32")
     parser.add_argument("--work", type=Path, help="keep the checkpoints here")
     parser.add_argument("--out", type=Path, required=True)

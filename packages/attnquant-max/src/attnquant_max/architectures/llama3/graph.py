@@ -232,7 +232,7 @@ def _nvfp4_int8(options: ServingOptions, *, fused: bool, tiled: bool) -> bool:
             if not options.nvfp4_int8
             else "float activations (int8 runs on the tiled layout: a CPU with AVX-512)"
         )
-        logger.info("NVFP4 decode steps: %s", why)
+        logger.info("NVFP4 projections: %s", why)
     return int8
 
 
