@@ -137,12 +137,11 @@ def test_int8_decode_steps_stay_within_their_rounding_of_the_float_op(
     """``--nvfp4-int8``: every projection rounds its activations to int8 per block of 16 and
     multiplies integers, in decode steps (one row) and in the prompt's forward alike, so the
     int8 model's decode steps score as its whole prefixes do (each row is rounded on its own).
-    Scored through decode steps
-    (:func:`attnquant_max.decode_logprobs`) against the same model on the float op, int8 must
-    move the scores by less than a quarter of what the 4-bit weights already move them from the
-    dense model (measured: 0.032 against 0.93 nats, the table in NVFP4 too;
-    docs/decode-speed.md), and must have run (the scores differ) where the tiled layout serves
-    it; elsewhere the float op serves, identically.
+    Scored through decode steps (:func:`attnquant_max.decode_logprobs`) against the same model
+    on the float op, int8 must move the scores by less than a quarter of what the 4-bit weights
+    already move them from the dense model (measured: 0.032 against 0.93 nats, the table in
+    NVFP4 too; docs/decode-speed.md), and must have run (the scores differ) where the tiled
+    layout serves it; elsewhere the float op serves, identically.
 
     The embedding is in NVFP4 too (``--quant-embedding``, untied: its own table, tiled at load
     as the projections are), and the float model is first checked to be exactly the stock model

@@ -46,7 +46,7 @@ comptime E2M1_U8 = SIMD[U8, 16](12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8
 
 # Rows of x one work item takes (a prefill or a batch of streams): their int8 rows, 64 x K
 # bytes (256 KiB at K = 4096), stay in L2 while each tile's weights are read again from L1 for
-# every 4 rows.
+# every 8 rows.
 comptime A8_ROWS = 64
 # Rows of x one thread rounds at a time, when there are more than that.
 comptime QUANT_ROWS = 16
@@ -185,6 +185,11 @@ def _a8_tile[
                 dot += dots[P * j + 1]
             var a = P * j + b % P
             acc[a] = fma(dot.cast[F32](), sc * xscale.unsafe_load(row), acc[a])
+    var totals = Array[SIMD[F32, LANES], mr](fill=0)
+    comptime for j in range(mr):
+        totals[j] = acc[P * j]
+        comptime if P == 2:
+            totals[j] += acc[P * j + 1]
     if r == 0:
         # No correction: the scales and the store 16 lanes at a time.
         var rs = SIMD[F32, LANES](s.unsafe_load(n * s_step).cast[F32]())
@@ -192,18 +197,12 @@ def _a8_tile[
             rs = s.unsafe_load[width=LANES](n).cast[F32]()
         rs *= scale_2
         comptime for j in range(mr):
-            var total = acc[P * j]
-            comptime if P == 2:
-                total += acc[P * j + 1]
-            dst.unsafe_store[width=LANES]((m + j) * os + n, (total * rs).cast[odt]())
+            dst.unsafe_store[width=LANES]((m + j) * os + n, (totals[j] * rs).cast[odt]())
         return
     var d = Array[Float32, mr * LANES](fill=0)
     comptime for j in range(mr):
-        var total = acc[P * j]
-        comptime if P == 2:
-            total += acc[P * j + 1]
         comptime for i in range(LANES):
-            d[j * LANES + i] = total[i]
+            d[j * LANES + i] = totals[j][i]
     _nvfp4_store[sdt, odt, mr, LANES](d, scale_2, s, s_step, u, us, t, r, r, dst, os, m, n)
 
 

@@ -2,7 +2,8 @@
 # of 16 inputs and multiplies integers (_nvfp4_a8.mojo: AVX-512 VNNI where the CPU has it, the
 # same integers lane by lane elsewhere), at every row count: decode steps, batches, prompts.
 # The correction `(x V) U^T` and the outputs past the last whole tile take float x. Operands as
-# generated_linear_nvfp4.mojo; the CPU only. Its result is the projection of the rounded x, not the float one (docs/decode-speed.md).
+# generated_linear_nvfp4.mojo; the CPU only. Its result is the projection of the rounded x, not
+# the float one (docs/decode-speed.md).
 
 import extensibility as compiler
 from extensibility import InputTensor, OutputTensor
