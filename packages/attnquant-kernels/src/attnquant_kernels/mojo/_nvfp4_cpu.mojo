@@ -170,7 +170,8 @@ def nvfp4_linear_cpu[
     comptime assert tiled or not a8, "int8 activations read the tiled layout"
     if M == 0 or N == 0:
         return
-    var table_buf = e4m3_half_table()
+    # The E4M3 table serves the row-major layout and the rows past the last whole tile only.
+    var table_buf = e4m3_half_table() if not tiled or N % LANES != 0 else List[Float32]()
     var table = table_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
     var t_buf = List[Float32](length=max(M * r, 1), fill=0)
     var t = t_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
