@@ -4,8 +4,10 @@ A synthetic Llama of real-model shapes (``--shape 300m``: ~320M parameters; ``--
 Llama-3.2-1B's shapes; ``--shape tiny`` for a smoke run; made on the fly by
 ``synthetic_llama.py``, random weights, never shipped) is served by MAX beside the stock float32
 model, one variant at a time, and timed as ``attnquant bench`` times it (adjacent pairs in ABBA
-order after a discarded warm-up run of each; THETA/BASE as the geometric mean of within-pair
-ratios with a bootstrap-over-pairs 95% CI; the machine's load beside each row):
+order after a discarded warm-up run of each, ``--settle`` idle seconds before each timed run so
+that MAX's workers, which spin for 0.1-0.2 s after a run, do not slow the next side's run;
+THETA/BASE as the geometric mean of within-pair ratios with a bootstrap-over-pairs 95% CI; the
+machine's load beside each row):
 
 * ``float32``: the base itself, served again (what ``--against`` times it against);
 * ``budget 0.7`` / ``budget 0.5``: ``decompose --budget`` checkpoints, served in the graph
@@ -300,6 +302,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--pairs", type=int, default=8, help="timed ABBA pairs per variant")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.5,
+        help="seconds idle before each timed run, so the other side's spinning threads stop",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
@@ -391,6 +399,7 @@ def main() -> None:
                     sampler_of(timed_base, prompt, args.new_tokens),
                     pairs=args.pairs,
                     warmup=args.warmup,
+                    settle=args.settle,
                 )
                 load = machine_load(before)
             finally:

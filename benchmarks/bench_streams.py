@@ -6,7 +6,8 @@ tokens (``ignore_eos``), and the aggregate rate: every stream's new tokens over 
 from the first request sent to the last response done. Both servers run side by side, each
 with room for the most streams asked (``attnquant serve --max-batch-size N``: MAX batches the streams
 into one forward; ``llama-server -np N``: one slot a stream, continuously batched), and are
-timed in ABBA pairs (:func:`attnquant_core.run_paired`): attnquant / llama.cpp as the geometric
+timed in ABBA pairs (:func:`attnquant_core.run_paired`, ``--settle`` idle seconds before each
+run so neither server's spinning threads slow the other's): attnquant / llama.cpp as the geometric
 mean of within-pair ratios with a bootstrap 95% interval, beside the machine's load.
 
 The model is the synthetic Llama of ``synthetic_llama.py`` (``--shape``), served by attnquant
@@ -97,6 +98,7 @@ def measure(client: httpx.Client, aq_url: str, lcpp_url: str, n: int, args: Any)
         lambda: burst(client, lcpp_url, texts, args.tokens),
         pairs=args.pairs,
         warmup=1,
+        settle=args.settle,
     )
     load = machine_load(before)
     ratio = paired_ratio([r["tok_s"] for r in runs.a], [r["tok_s"] for r in runs.b])
@@ -130,6 +132,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=40, help="words of each prompt")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.5,
+        help="seconds idle before each timed run, so the other side's spinning threads stop",
+    )
     parser.add_argument(
         "--aq-args", default="--quant nvfp4 --quant-head --quant-embedding --nvfp4-kernel fused"
     )

@@ -232,6 +232,25 @@ def test_run_paired_runs_each_side_once_per_pair_after_the_warmup(pairs, warmup,
         assert (a_at < b_at) == runs.a_first[i]
 
 
+def test_settle_sleeps_before_every_timed_run_and_not_before_the_warmup():
+    events: list[object] = []
+    runs = run_paired(
+        lambda: events.append("a"),
+        lambda: events.append("b"),
+        pairs=2,
+        warmup=1,
+        settle=0.25,
+        sleep=events.append,
+    )
+    assert runs.order_string() == "ABBA"
+    assert events == ["a", "b", 0.25, "a", 0.25, "b", 0.25, "b", 0.25, "a"]
+
+
+def test_settle_must_not_be_negative():
+    with pytest.raises(ValueError, match="settle must be 0 or more seconds, got -0.5"):
+        run_paired(lambda: 1.0, lambda: 1.0, pairs=2, settle=-0.5)
+
+
 def test_warmup_must_not_be_negative():
     with pytest.raises(ValueError, match="warmup must be 0 or more, got -1"):
         run_paired(lambda: 1.0, lambda: 1.0, pairs=2, warmup=-1)

@@ -104,14 +104,21 @@ def run_paired(
     order: Order = "abba",
     seed: int = 0,
     on_run: Callable[[str, int, T], None] | None = None,
+    settle: float = 0.0,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> PairedRuns[T]:
     """Run ``warmup`` discarded runs of each side (A then B), then ``pairs`` adjacent pairs.
 
     Each callable makes one run and returns its measurement (a number, or a record of several).
     ``on_run(side, pair, value)`` is called after each timed run, with side ``"a"`` or ``"b"``.
+    ``settle`` seconds pass (``sleep``) before every timed run: where the two sides share the
+    cores, one side's idle threads still spinning after its run (MAX's CPU workers spin for
+    about 0.1-0.2 s) must not slow the run that follows it.
     """
     if warmup < 0:
         raise ValueError(f"warmup must be 0 or more, got {warmup}")
+    if settle < 0:
+        raise ValueError(f"settle must be 0 or more seconds, got {settle}")
     a_first = paired_order(pairs, order=order, seed=seed)
     for _ in range(warmup):
         run_a()
@@ -120,6 +127,8 @@ def run_paired(
     b: list[T] = []
     for i, first in enumerate(a_first):
         for side in ("a", "b") if first else ("b", "a"):
+            if settle:
+                sleep(settle)
             value = run_a() if side == "a" else run_b()
             (a if side == "a" else b).append(value)
             if on_run is not None:
