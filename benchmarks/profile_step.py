@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -137,13 +138,8 @@ def chain_model(shape: Any, *, head: bool, glue: bool, activations: str) -> tupl
     return model, [Buffer.from_numpy(a) for a in arrays], weight_bytes
 
 
-def llama_bench(gguf: Path, tokens: int, threads: int) -> float | None:
+def llama_bench(bench: Path, gguf: Path, tokens: int, threads: int) -> float | None:
     """llama-bench's decode rate (tokens/s) over ``tokens`` new tokens, one repetition."""
-    import llamacpp
-
-    bench = llamacpp.tool("llama-bench")
-    if not bench.exists():
-        return None
     cmd = [bench, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1"]
     out = subprocess.run([*map(str, cmd), "-o", "json"], capture_output=True, text=True)
     if out.returncode != 0:
@@ -156,8 +152,6 @@ def ms(values: list[float]) -> float:
 
 
 def main() -> None:
-    import os
-
     import bench_compressed as bc
     import llamacpp
     from synthetic_llama import SHAPES, cached_synthetic
@@ -187,7 +181,9 @@ def main() -> None:
     graph, sampler = wrap_pipeline(loaded)
     chains = {glue: chain_model(shape, head=head, glue=glue, activations=activations)
               for glue in (False, True)}  # fmt: skip
-    gguf = llamacpp.cached_gguf(base_dir, work / "llamacpp", "q4_k_m")
+    # llama.cpp's step for scale where it is built (its Q4_K_M made once, then reused).
+    bench = llamacpp.tool("llama-bench")
+    gguf = llamacpp.cached_gguf(base_dir, work / "llamacpp", "q4_k_m") if bench.exists() else None
     run = bc.runner_of(loaded)
     prompt = prompt_ids(lambda t: list(range(3, 3 + len(t) // 4)), args.prompt)
     n = args.new_tokens
@@ -210,30 +206,32 @@ def main() -> None:
                 t0 = time.perf_counter()
                 model.execute(*buffers)
                 parts["glue" if glue else "proj"].append(time.perf_counter() - t0)
+        if gguf is None:
+            continue
         time.sleep(args.settle)  # MAX's workers spin for 0.1-0.2 s after a run
-        rate = llama_bench(gguf, n, os.cpu_count() or 1)
+        rate = llama_bench(bench, gguf, n, os.cpu_count() or 1)
         if rate:
             llama.append(1.0 / rate)
     loaded.close()
     result = {k: ms(v) for k, v in parts.items()}
     result["python"] = result["wall"] - result["graph"] - result["sampler"]
     result["attention_and_rest"] = result["graph"] - result["glue"]
-    result["chain_bytes"] = chains[False][2]
-    result["chain_gbps"] = chains[False][2] / result["proj"] / 1e6
-    result["llamacpp_ms"] = ms(llama) if llama else None
+    result["llamacpp"] = ms(llama) if llama else None
+    chain_bytes = chains[False][2]
+    chain_gbps = chain_bytes / result["proj"] / 1e6
     rows = [
         ("a token, wall", result["wall"]),
         ("  the model's graph", result["graph"]),
-        (f"    its projections alone ({result['chain_bytes'] / 1e6:.0f} MB, "
-         f"{result['chain_gbps']:.1f} GB/s)", result["proj"]),
+        (f"    its projections alone ({chain_bytes / 1e6:.0f} MB, {chain_gbps:.1f} GB/s)",
+         result["proj"]),
         ("    the same with norms, residuals, SiLU x up", result["glue"]),
         ("    attention, RoPE, KV cache, embedding (graph - that)",
          result["attention_and_rest"]),
         ("  the sampler's graph", result["sampler"]),
         ("  the pipeline's Python (wall - graph - sampler)", result["python"]),
     ]  # fmt: skip
-    if result["llamacpp_ms"]:
-        rows.append(("llama.cpp Q4_K_M, its whole step (llama-bench)", result["llamacpp_ms"]))
+    if result["llamacpp"]:
+        rows.append(("llama.cpp Q4_K_M, its whole step (llama-bench)", result["llamacpp"]))
     print(f"{args.variant} ({how}, {activations} activations) at {args.shape}: "
           f"{args.prompt}-token prompt, {args.runs} x {n} tokens, medians")  # fmt: skip
     for label, value in rows:
@@ -241,7 +239,8 @@ def main() -> None:
     if args.out:
         meta = {"variant": args.variant, "served": how, "shape": args.shape,
                 "activations": activations, "prompt": args.prompt, "new_tokens": n,
-                "runs": args.runs}  # fmt: skip
+                "runs": args.runs, "chain_bytes": chain_bytes,
+                "chain_gbps": chain_gbps}  # fmt: skip
         args.out.write_text(json.dumps({**meta, "ms": result}, indent=2) + "\n")
 
 

@@ -69,7 +69,8 @@ def e4m3_half(byte: UInt8) -> Float32:
 
 
 def e4m3_half_table() -> List[Float32]:
-    """`e4m3_half` of every byte, built once per call of the op (1 KiB, stays in L1)."""
+    """`e4m3_half` of every byte, built once per call of the op that reads it (1 KiB, stays
+    in L1): the row-major layout and the rows past the last whole tile of the tiled one."""
     var table = List[Float32](length=256, fill=0)
     for i in range(256):
         table[i] = e4m3_half(UInt8(i))
