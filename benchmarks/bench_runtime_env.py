@@ -7,7 +7,9 @@ a child process loads the variant (``bench_compressed.prepare`` / ``load_variant
 resident), warms up, and times ``--runs`` generations of ``--new-tokens`` after a
 ``--prompt-tokens`` prompt as ``attnquant bench`` does. A child that dies is reported with the
 last line it printed (a setting MAX refuses is a finding too). Settings run one after another
-in the order given; run it on an otherwise idle machine.
+in the order given, ``--rounds`` times, every other round in the reverse order (ABBA); run it on
+an otherwise idle machine. A serving option's ``ATTNQUANT_*`` variable in a setting is laid over
+the variant's options (``ATTNQUANT_WORKER_NICE=0``: MAX's workers left at their priority).
 
 Run: ``python benchmarks/bench_runtime_env.py --shape 300m --work DIR --env "" \\
 MODULAR_ENABLE_AFFINITY=1 MODULAR_THREAD_BUSY_WAIT_US=0``
@@ -31,10 +33,14 @@ def child(args: argparse.Namespace) -> None:
     from synthetic_llama import SHAPES, cached_synthetic
 
     from attnquant_cli._bench import generate_runner, measure, prompt_ids
+    from attnquant_core.serving import OPTIONS, ServingOptions
 
     shape = SHAPES[args.shape]
     base_dir = cached_synthetic(args.work, shape)
     path, overrides, how = prepare(args.variant, base_dir, args.work, shape, None)
+    from_env = ServingOptions.from_env()
+    given = {s.field: getattr(from_env, s.field) for s in OPTIONS if os.environ.get(s.variable)}
+    overrides = {**overrides, **given}
     common = {"max_length": args.prompt_tokens + args.new_tokens + 8, "max_batch_size": 8}
     loaded, how = load_variant(args.variant, path, overrides, how, common)
     run = generate_runner(loaded)
@@ -66,6 +72,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="checkpoints (kept)")
     parser.add_argument("--env", nargs="+", default=[""], help="'K=V[,K=V]' per run; '' none")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds over the settings")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path)
@@ -76,14 +83,17 @@ def main() -> None:
         child(args)
         return
     rows = []
-    for setting in args.env:
+    order = [
+        setting for r in range(args.rounds) for setting in args.env[:: 1 if r % 2 == 0 else -1]
+    ]
+    for setting in order:
         extra = dict(kv.split("=", 1) for kv in setting.split(",") if kv)
         cmd = [sys.executable, __file__, "--child", *sys.argv[1:]]
         done = subprocess.run(
             cmd, env={**os.environ, **extra}, capture_output=True, text=True, check=False
         )
         lines = (done.stdout + done.stderr).strip().splitlines() or ["(nothing printed)"]
-        row: dict = {"env": extra, "exit_code": done.returncode}
+        row: dict = {"setting": setting, "env": extra, "exit_code": done.returncode}
         if done.returncode == 0:
             row.update(json.loads(done.stdout.strip().splitlines()[-1]))
             said = (
@@ -96,6 +106,18 @@ def main() -> None:
             said = f"exit {done.returncode}: {lines[-1]}"
         rows.append(row)
         print(f"{setting or '(none)'}: {said}", flush=True)
+    for setting in args.env if args.rounds > 1 else []:
+        decode = [
+            r["median_decode_tok_s"] for r in rows if r["setting"] == setting and "served" in r
+        ]
+        prefill = [
+            r["median_prefill_tok_s"] for r in rows if r["setting"] == setting and "served" in r
+        ]
+        if decode:
+            print(
+                f"{setting or '(none)'} over {len(decode)} processes: decode "
+                f"{statistics.median(decode):.1f} tok/s, prefill {statistics.median(prefill):.0f} tok/s"
+            )
     if args.out:
         args.out.write_text(json.dumps({"variant": args.variant, "rows": rows}, indent=2) + "\n")
 

@@ -11,7 +11,9 @@ wrap the objects MAX 26.7's ``TextGenerationPipeline`` runs each step:
 * the sampler's compiled graph (``_sampler_without_bitmask``): the next token from the logits.
 
 What is left of the wall time is the pipeline's own Python between them (the batch and its KV
-cache inputs, the sampling inputs, the context updates).
+cache inputs, the sampling inputs, the context updates). Each part is a mean per step, as the
+wall time is: a step where the driving thread waited for a core (MAX's idle workers spin after a
+graph; ``--worker-nice`` lowers them) counts where the wait fell.
 
 Inside the graph, the same step's projections are timed alone: one MAX graph of the model's
 NVFP4 ops at its shapes (merged q/k/v and gate/up, the head in NVFP4 where the variant holds it
@@ -199,8 +201,10 @@ def main() -> None:
         wall = time.perf_counter() - t0
         # The first execute is the prompt's; the first sample follows it.
         parts["wall"].append((wall - graph.seconds[0] - sampler.seconds[0]) / (n - 1))
-        parts["graph"] += graph.seconds[1:]
-        parts["sampler"] += sampler.seconds[1:]
+        # Means per step, as the wall time is, so the parts add up to it: a median call hides
+        # the steps where the driving thread waited a scheduler slice for a core.
+        parts["graph"].append(sum(graph.seconds[1:]) / (n - 1))
+        parts["sampler"].append(sum(sampler.seconds[1:]) / (n - 1))
         for glue, (model, buffers, _) in chains.items():
             for _ in range(n):
                 t0 = time.perf_counter()

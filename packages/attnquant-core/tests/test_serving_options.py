@@ -30,6 +30,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert options.quant_head is False
     assert options.quant_embedding is False
     assert options.nvfp4_kernel == "auto"
+    assert options.worker_nice == 19
 
 
 def test_every_option_is_a_field_with_a_flag_a_variable_and_a_table_row() -> None:
@@ -71,6 +72,9 @@ def test_frozen() -> None:
         ("ATTNQUANT_QUANT_HEAD", "1", "quant_head", True),
         ("ATTNQUANT_QUANT_HEAD", "", "quant_head", False),
         ("ATTNQUANT_QUANT_EMBEDDING", "1", "quant_embedding", True),
+        ("ATTNQUANT_WORKER_NICE", "0", "worker_nice", 0),
+        ("ATTNQUANT_WORKER_NICE", " 19 ", "worker_nice", 19),
+        ("ATTNQUANT_WORKER_NICE", "", "worker_nice", 19),
     ],
 )
 def test_each_variable_parses(variable: str, value: str, field: str, expected: object) -> None:
@@ -115,6 +119,9 @@ def test_the_older_path_variables_still_choose_the_path(env: dict[str, str], pat
         ("ATTNQUANT_QUANT", "int4", "'nvfp4'"),
         ("ATTNQUANT_NVFP4_KERNEL", "mojo", "auto, fused, dequantize"),
         ("ATTNQUANT_QUANT_HEAD", "nvfp4", "1/0"),
+        ("ATTNQUANT_WORKER_NICE", "20", "from 0 to 19"),
+        ("ATTNQUANT_WORKER_NICE", "-5", "from 0 to 19"),
+        ("ATTNQUANT_WORKER_NICE", "low", "from 0 to 19"),
     ],
 )
 def test_bad_values_name_variable_value_and_what_is_allowed(
@@ -144,6 +151,10 @@ def test_a_path_and_an_older_path_variable_together_are_refused() -> None:
         {"path": "stock"},
         {"nvfp4_kernel": "mojo"},
         {"qkv_fuse": 1},
+        {"worker_nice": 20},
+        {"worker_nice": -1},
+        {"worker_nice": True},
+        {"worker_nice": "5"},
     ],
 )
 def test_constructor_validates_naming_the_flag(kwargs: dict[str, object]) -> None:
@@ -162,6 +173,7 @@ options_strategy = st.builds(
     nvfp4_kernel=st.sampled_from(["auto", "fused", "dequantize"]),
     qkv_fuse=st.booleans(),
     fused_mlp=st.booleans(),
+    worker_nice=st.integers(0, 19),
 )
 
 

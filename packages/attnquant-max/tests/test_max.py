@@ -7,6 +7,7 @@ import os
 import pickle
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from attnquant_core import BandMismatchError
+from attnquant_core.serving import DEFAULT_WORKER_NICE
 from attnquant_max import (
     NEAR_TIE,
     LoadedModel,
@@ -32,6 +34,7 @@ from attnquant_max import (
     serve_command,
     serve_env,
 )
+from attnquant_max._workers import runtime_workers
 from attnquant_max.testing import VOCAB
 
 from .conftest import LAYERS, MAX_BATCH_SIZE, MAX_LENGTH, PROJECTIONS, load_tiny
@@ -87,6 +90,15 @@ def test_theta_serves_the_same_greedy_tokens_as_dense(
         expected = greedy_generate(dense_model, ids, 12)
         assert len(expected) == 12
         assert greedy_generate(theta_model, ids, 12) == expected
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's per-thread nice")
+def test_a_cpu_load_lowers_the_runtime_workers(dense_model: LoadedModel) -> None:
+    """--worker-nice (default 19) reached MAX's CPU runtime workers, found by their names: if a
+    MAX release renames them, this fails rather than the option silently doing nothing."""
+    workers = runtime_workers()
+    assert workers, "no MAX CPU runtime worker found by name in this process"
+    assert all(os.getpriority(os.PRIO_PROCESS, tid) >= DEFAULT_WORKER_NICE for tid in workers)
 
 
 def test_teacher_forced_scores_match_greedy(dense_model: LoadedModel) -> None:

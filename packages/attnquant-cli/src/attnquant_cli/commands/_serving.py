@@ -35,6 +35,8 @@ def _annotation(spec: OptionSpec) -> Any:
         return Annotated[str | None, typer.Option(*names, metavar=metavar, help=help_text)]
     if spec.field == "rank":
         return Annotated[int | None, typer.Option(*names, min=0, help=help_text)]
+    if spec.field == "worker_nice":
+        return Annotated[int | None, typer.Option(*names, min=0, max=19, help=help_text)]
     if spec.field == "blocks":
         return Annotated[str | None, typer.Option(*names, metavar="G|layers", help=help_text)]
     flag = typer.Option(f"{names[0]}/{names[1]}" if len(names) == 2 else names[0], help=help_text)

@@ -15,6 +15,7 @@ satisfies :class:`StatePlan`). attnquant-max builds the MAX graphs from them.
 
 from ._layout import InGraphLayout
 from ._options import (
+    DEFAULT_WORKER_NICE,
     LEGACY_PATH_VARIABLES,
     OPTIONS,
     PATH_CHOICES,
@@ -56,6 +57,7 @@ from ._tensors import (
 )
 
 __all__ = [
+    "DEFAULT_WORKER_NICE",
     "LEGACY_PATH_VARIABLES",
     "OPTIONS",
     "PATH_CHOICES",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
 __all__ = [
+    "DEFAULT_WORKER_NICE",
     "LEGACY_PATH_VARIABLES",
     "OPTIONS",
     "ConfigError",
@@ -31,6 +32,12 @@ PATH_CHOICES: tuple[str, ...] = get_args(PathChoice)
 Quant = Literal["nvfp4"]
 NVFP4Kernel = Literal["auto", "fused", "dequantize"]
 NVFP4_KERNELS: tuple[str, ...] = get_args(NVFP4Kernel)
+
+#: The nice value MAX's CPU runtime workers get at load (``--worker-nice``): the highest, since
+#: decode was fastest there on a 2-core machine (docs/decode-speed.md).
+DEFAULT_WORKER_NICE = 19
+#: The largest nice value Linux allows.
+MAX_NICE = 19
 
 #: The variables that chose the path before ``ATTNQUANT_PATH`` (still read, never written).
 LEGACY_PATH_VARIABLES = ("ATTNQUANT_PRECOMPUTE_OUTSIDE", "ATTNQUANT_PRECOMPUTE", "ATTNQUANT_GEMM")
@@ -162,6 +169,16 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "1",
         "Custom-op path: a banded MLP in one generated_mlp dispatch.",
     ),
+    OptionSpec(
+        "worker_nice",
+        "--worker-nice",
+        "ATTNQUANT_WORKER_NICE",
+        str(DEFAULT_WORKER_NICE),
+        "On a CPU: the nice value (0-19) MAX's runtime workers get at load, so the Python "
+        "thread that drives each step wins a core from the workers spinning after a graph; "
+        "0 leaves them as MAX starts them. A higher value cedes more CPU to other processes "
+        "on a shared machine (docs/decode-speed.md).",
+    ),
 )
 
 
@@ -195,12 +212,14 @@ def _bool(name: str, raw: str) -> bool:
     raise ConfigError(name, raw, _BOOL_ALLOWED)
 
 
-def _whole_number(name: str, raw: str, *, minimum: int, allowed: str) -> int:
+def _whole_number(
+    name: str, raw: str, *, minimum: int, allowed: str, maximum: int | None = None
+) -> int:
     try:
         value = int(raw)
     except ValueError:
         raise ConfigError(name, raw, allowed) from None
-    if value < minimum:
+    if value < minimum or (maximum is not None and value > maximum):
         raise ConfigError(name, raw, allowed)
     return value
 
@@ -214,6 +233,7 @@ _BOOLS = (
     "qkv_fuse",
     "fused_mlp",
 )
+_NICE_ALLOWED = f"a whole number from 0 to {MAX_NICE}"
 _BLOCKS_ALLOWED = "a whole number >= 1, or 'layers' for passthrough (one block per layer)"
 
 
@@ -275,6 +295,8 @@ class ServingOptions:
         effect).
     qkv_fuse, fused_mlp : bool
         GEMM path: q/k/v and gate/up batched; custom op: the MLP in one dispatch.
+    worker_nice : int
+        On a CPU, the nice value (0-19) of MAX's runtime workers; 0 leaves them as started.
     """
 
     path: PathChoice = "auto"
@@ -289,6 +311,7 @@ class ServingOptions:
     nvfp4_merge: bool = True
     qkv_fuse: bool = True
     fused_mlp: bool = True
+    worker_nice: int = DEFAULT_WORKER_NICE
 
     def __post_init__(self) -> None:
         if self.path not in PATH_CHOICES:
@@ -308,6 +331,9 @@ class ServingOptions:
         for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"--{name.replace('_', '-')}", str(getattr(self, name)), "bool")
+        nice = self.worker_nice
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
+            raise ConfigError("--worker-nice", str(nice), _NICE_ALLOWED)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ServingOptions:
@@ -349,6 +375,10 @@ class ServingOptions:
             variable = f"ATTNQUANT_{name.upper()}"
             if (raw := _get(env, variable)) is not None:
                 given[name] = _bool(variable, raw)
+        if (raw := _get(env, "ATTNQUANT_WORKER_NICE")) is not None:
+            given["worker_nice"] = _whole_number(
+                "ATTNQUANT_WORKER_NICE", raw, minimum=0, maximum=MAX_NICE, allowed=_NICE_ALLOWED
+            )
         return cls(**given)
 
     @classmethod

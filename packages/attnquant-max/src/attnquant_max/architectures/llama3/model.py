@@ -29,6 +29,7 @@ from attnquant_kernels.layout import tile_nvfp4
 
 from ..._nvfp4_layers import merge_nvfp4
 from ..._plan import ServingPlan
+from ..._workers import lower_worker_priority
 from .graph import MERGED, MERGED_NAMES, EmbeddingTable, NVFP4Llama3, ThetaLlama3
 
 __all__ = ["ThetaLlama3Model", "count_matmuls", "decoder_graph"]
@@ -151,6 +152,7 @@ class ThetaLlama3Model(Llama3Model):
         plan = _plan_of(self.state_dict)
         if plan is None:  # a stock adapter's state (GGUF): the stock model
             return dict(super().graph_specs(model_config))
+        self._place_workers(plan.options.worker_nice)
         head = HEAD_SCALE_2 in self.state_dict  # --quant-head
         embedding = _embedding_table(self.state_dict, plan)  # --quant-embedding
         if _is_nvfp4_state(self.state_dict):
@@ -200,6 +202,20 @@ class ThetaLlama3Model(Llama3Model):
                 device,
                 count,
             )
+
+    def _place_workers(self, nice: int) -> None:
+        """On a CPU: MAX's runtime workers at ``nice`` (``--worker-nice``), so the Python that
+        drives each step is not kept waiting by workers spinning after a graph
+        (:mod:`attnquant_max._workers`)."""
+        if nice <= 0 or not all(device.is_host for device in self.devices):
+            return
+        count = lower_worker_priority(nice)
+        logger.info(
+            "attnquant: %d CPU runtime workers at nice %d (--worker-nice; 0 leaves them as "
+            "MAX starts them)",
+            count,
+            nice,
+        )
 
     def _single_device(self, message: str, model_config: Any) -> None:
         if model_config.data_parallel_degree > 1 or len(self.devices) > 1:
