@@ -89,9 +89,12 @@ def chain_shapes(shape: Any, head: bool) -> list[tuple[int, int]]:
     return layer * shape.layers + ([(shape.vocab, h)] if head else [])
 
 
-def chain_model(shape: Any, *, head: bool, glue: bool, activations: str) -> tuple[Any, list]:
+def chain_model(
+    shape: Any, *, head: bool, glue: bool, activations: str, rows: int = 1
+) -> tuple[Any, list]:
     """The step's projections (``glue``: with the norms, residual adds and SiLU x up) in one
-    MAX graph on the CPU, and its inputs: one row, random NVFP4 codes in the tiled layout."""
+    MAX graph on the CPU, and its inputs: ``rows`` rows (one a stream), random NVFP4 codes in
+    the tiled layout."""
     from max.driver import CPU, Buffer
     from max.dtype import DType
     from max.engine import InferenceSession
@@ -105,8 +108,8 @@ def chain_model(shape: Any, *, head: bool, glue: bool, activations: str) -> tupl
     dev, h, f = DeviceRef.CPU(), shape.hidden, shape.intermediate
     shapes = chain_shapes(shape, head)
     rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal((1, h)).astype(np.float32), np.ones(h, np.float32)]
-    types = [TensorType(DType.float32, [1, h], dev), TensorType(DType.float32, [h], dev)]
+    arrays = [rng.standard_normal((rows, h)).astype(np.float32), np.ones(h, np.float32)]
+    types = [TensorType(DType.float32, [rows, h], dev), TensorType(DType.float32, [h], dev)]
     for n, k in shapes:
         w, sc, s2 = nvfp4_random(rng, n, k)
         arrays += [*tile_nvfp4(w, sc), s2]
@@ -114,6 +117,7 @@ def chain_model(shape: Any, *, head: bool, glue: bool, activations: str) -> tupl
                   TensorType(DType.uint8, [n, k // 16], dev),
                   TensorType(DType.float32, [1], dev)]  # fmt: skip
     name = f"step_chain_{shape.name}_{'glue' if glue else 'proj'}_{activations}_{int(head)}"
+    name += f"_rows{rows}" if rows != 1 else ""
     with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as g:
         x, gamma = g.inputs[0].tensor, g.inputs[1].tensor
         ins = [v.tensor for v in g.inputs[2:]]
