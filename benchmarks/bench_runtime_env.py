@@ -107,16 +107,13 @@ def main() -> None:
         rows.append(row)
         print(f"{setting or '(none)'}: {said}", flush=True)
     for setting in args.env if args.rounds > 1 else []:
-        decode = [
-            r["median_decode_tok_s"] for r in rows if r["setting"] == setting and "served" in r
-        ]
-        prefill = [
-            r["median_prefill_tok_s"] for r in rows if r["setting"] == setting and "served" in r
-        ]
-        if decode:
+        ran = [r for r in rows if r["setting"] == setting and "served" in r]
+        if ran:
+            decode = statistics.median(r["median_decode_tok_s"] for r in ran)
+            prefill = statistics.median(r["median_prefill_tok_s"] for r in ran)
             print(
-                f"{setting or '(none)'} over {len(decode)} processes: decode "
-                f"{statistics.median(decode):.1f} tok/s, prefill {statistics.median(prefill):.0f} tok/s"
+                f"{setting or '(none)'} over {len(ran)} processes: decode {decode:.1f} tok/s, "
+                f"prefill {prefill:.0f} tok/s"
             )
     if args.out:
         args.out.write_text(json.dumps({"variant": args.variant, "rows": rows}, indent=2) + "\n")

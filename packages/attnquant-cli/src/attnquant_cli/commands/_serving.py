@@ -15,7 +15,14 @@ from typing import Annotated, Any
 
 import typer
 
-from attnquant_core.serving import OPTIONS, PATH_CHOICES, OptionSpec, ServingOptions, parse_blocks
+from attnquant_core.serving import (
+    MAX_NICE,
+    OPTIONS,
+    PATH_CHOICES,
+    OptionSpec,
+    ServingOptions,
+    parse_blocks,
+)
 
 __all__ = ["serving_flags"]
 
@@ -36,7 +43,7 @@ def _annotation(spec: OptionSpec) -> Any:
     if spec.field == "rank":
         return Annotated[int | None, typer.Option(*names, min=0, help=help_text)]
     if spec.field == "worker_nice":
-        return Annotated[int | None, typer.Option(*names, min=0, max=19, help=help_text)]
+        return Annotated[int | None, typer.Option(*names, min=0, max=MAX_NICE, help=help_text)]
     if spec.field == "blocks":
         return Annotated[str | None, typer.Option(*names, metavar="G|layers", help=help_text)]
     flag = typer.Option(f"{names[0]}/{names[1]}" if len(names) == 2 else names[0], help=help_text)

@@ -17,6 +17,7 @@ from ._layout import InGraphLayout
 from ._options import (
     DEFAULT_WORKER_NICE,
     LEGACY_PATH_VARIABLES,
+    MAX_NICE,
     OPTIONS,
     PATH_CHOICES,
     ConfigError,
@@ -59,6 +60,7 @@ from ._tensors import (
 __all__ = [
     "DEFAULT_WORKER_NICE",
     "LEGACY_PATH_VARIABLES",
+    "MAX_NICE",
     "OPTIONS",
     "PATH_CHOICES",
     "ConfigError",

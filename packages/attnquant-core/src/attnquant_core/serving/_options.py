@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 __all__ = [
     "DEFAULT_WORKER_NICE",
     "LEGACY_PATH_VARIABLES",
+    "MAX_NICE",
     "OPTIONS",
     "ConfigError",
     "OptionSpec",
@@ -33,11 +34,11 @@ Quant = Literal["nvfp4"]
 NVFP4Kernel = Literal["auto", "fused", "dequantize"]
 NVFP4_KERNELS: tuple[str, ...] = get_args(NVFP4Kernel)
 
-#: The nice value MAX's CPU runtime workers get at load (``--worker-nice``): the highest, since
-#: decode was fastest there on a 2-core machine (docs/decode-speed.md).
-DEFAULT_WORKER_NICE = 19
 #: The largest nice value Linux allows.
 MAX_NICE = 19
+#: The nice value MAX's CPU runtime workers get at load (``--worker-nice``): the highest, since
+#: decode was fastest there on a 2-core machine (docs/decode-speed.md).
+DEFAULT_WORKER_NICE = MAX_NICE
 
 #: The variables that chose the path before ``ATTNQUANT_PATH`` (still read, never written).
 LEGACY_PATH_VARIABLES = ("ATTNQUANT_PRECOMPUTE_OUTSIDE", "ATTNQUANT_PRECOMPUTE", "ATTNQUANT_GEMM")
