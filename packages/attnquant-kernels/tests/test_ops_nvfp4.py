@@ -29,6 +29,7 @@ from attnquant_kernels.testing import (
     check_linear_nvfp4_tiled_a8,
     nvfp4_dequantize,
     nvfp4_random,
+    quantize_activations_a8,
     theta,
 )
 
@@ -290,7 +291,7 @@ A8_CASES = [
 def test_linear_nvfp4_a8_matches_rounded_activations_then_identity(
     linear_nvfp4_tiled_a8: OpModel, M: int, K: int, N: int, R: int
 ):
-    """The integer op equals the float64 identity over x rounded to int8 per block of 16."""
+    """The integer op equals the float64 identity over x rounded to int8 per group of 64."""
     check_linear_nvfp4_tiled_a8(linear_nvfp4_tiled_a8, M, K, N, R, seed=M * 1000 + R)
 
 
@@ -301,7 +302,8 @@ def test_linear_nvfp4_a8_matches_rounded_activations_then_identity(
     N=st.integers(1, 100),
     R=st.integers(0, MAX_RANK),
     seed=st.integers(0, 2**16),
-    zero_block=st.booleans(),
+    group=st.integers(0, 9),
+    factor=st.sampled_from([1.0, 0.0, 1e-6, 2.0**-50]),
 )
 @pytest.mark.xdist_group("linear_nvfp4")
 def test_linear_nvfp4_a8_random_shapes(
@@ -311,14 +313,30 @@ def test_linear_nvfp4_a8_random_shapes(
     N: int,
     R: int,
     seed: int,
-    zero_block: bool,
+    group: int,
+    factor: float,
 ):
-    """Any shape, heavy-tailed inputs (one block of zeros where drawn: its step is 0)."""
+    """Any shape, heavy-tailed inputs, one group of 64 scaled by ``factor``: zeros, a step far
+    below its neighbours' (their ratio 1e6), or below the flush (2^-50 of the row: zeros)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_t(3, (M, 16 * blocks)).astype(np.float32)
-    if zero_block:
-        x[:, :16] = 0
+    x[:, 64 * group : 64 * group + 64] *= np.float32(factor)
     check_linear_nvfp4_tiled_a8(linear_nvfp4_tiled_a8, M, 16 * blocks, N, R, seed, x=x)
+
+
+def test_a8_rounding_steps_per_group_and_flushes_negligible_groups():
+    """The reference rounding: one step per 64 inputs (the last group short), a group at most
+    2^-40 of its row's largest input rounded to zeros, one above it kept."""
+    x = np.ones((1, 208), np.float32)  # groups of 64, 64, 64 and 16 inputs
+    x[0, 0] = 127.0  # the first group's step is 1: its other inputs round to 1
+    x[0, 64:128] = 2.0**-45  # below 2^-40 of 127: zeros
+    x[0, 128:192] *= np.float32(1e-9)  # kept, a step 1e-9 of the first's
+    x[0, 192] = 0.5  # the short last group: 0.5 and fifteen 1s round to 64 and 127 of 127
+    xq = quantize_activations_a8(x)
+    np.testing.assert_array_equal(xq[0, :64], np.r_[127.0, np.ones(63)])
+    np.testing.assert_array_equal(xq[0, 64:128], 0)
+    np.testing.assert_allclose(xq[0, 128:192], 1e-9, rtol=1e-6)
+    np.testing.assert_allclose(xq[0, 192:], np.r_[64 / 127, np.ones(15)])
 
 
 @pytest.mark.xdist_group("linear_nvfp4")

@@ -14,7 +14,7 @@ when a graph names it in ``custom_extensions``. They register seven custom ops (
 * ``generated_linear_nvfp4_tiled``: ``generated_linear_nvfp4`` on the CPU over the tiled layout
   of :func:`attnquant_kernels.layout.tile_nvfp4` (each tile of 16 rows one stream);
 * ``generated_linear_nvfp4_tiled_a8``: the tiled op with the activations rounded to int8 per
-  block of 16 inputs at every row count, multiplied as integers (W4A8, VNNI where present).
+  group of 64 inputs at every row count, multiplied as integers (W4A8, VNNI where present).
 
 The theta ops refuse a correction rank above :data:`MAX_RANK` (64) with an error naming the GEMM path
 (``ATTNQUANT_GEMM=1``). This module imports neither numpy nor MAX; the graph-building helpers

@@ -308,7 +308,7 @@ def generated_linear_nvfp4(
         ``generated_linear_nvfp4_tiled``, whose decode step reads each tile of 16 rows as one
         stream (on AVX-512 1.3-1.4x the row-major op's speed at one row). CPU only.
     activations : {"float", "int8"}
-        ``"int8"`` (tiled only): the op rounds each row of ``x`` to int8 per block of 16
+        ``"int8"`` (tiled only): the op rounds each row of ``x`` to int8 per group of 64
         inputs (``amax / 127``) and multiplies integers (``generated_linear_nvfp4_tiled_a8``,
         AVX-512 VNNI where the CPU has it), at every row count: ``y`` is then the projection
         of ``x`` so rounded, no longer equal to the float one to 1e-4. The correction

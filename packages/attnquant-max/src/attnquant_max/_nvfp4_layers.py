@@ -140,7 +140,7 @@ class NVFP4Linear(Module):
         (:func:`attnquant_kernels.layout.tile_nvfp4`, written at load by the model's owner),
         read by ``generated_linear_nvfp4_tiled`` (:func:`nvfp4_tiled`).
     int8 : bool
-        Tiled: at every row count the op rounds the activations to int8 per block of 16 inputs
+        Tiled: at every row count the op rounds the activations to int8 per group of 64 inputs
         and multiplies integers (``generated_linear_nvfp4_tiled_a8``, ``--nvfp4-int8``).
     """
 

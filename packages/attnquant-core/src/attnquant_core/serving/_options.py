@@ -142,7 +142,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "--nvfp4-int8/--no-nvfp4-int8",
         "ATTNQUANT_NVFP4_INT8",
         "1",
-        "Fused NVFP4 on the tiled layout: the activations are rounded to int8 per block of 16 "
+        "Fused NVFP4 on the tiled layout: the activations are rounded to int8 per group of 64 "
         "inputs, in decode steps, batches and prompts alike, and multiplied as integers "
         "(AVX-512 VNNI where the CPU has it; "
         "within the tolerance of docs/decode-speed.md); off keeps float activations, equal to "

@@ -7,19 +7,25 @@
 # 25 GB/s. Here the activations are rounded to int8 first, as llama.cpp's Q8 activations are,
 # and the codes become bytes:
 #
-# * x, per row and block of 16 inputs: `xs = amax / 127`, `q = roundeven(x * (127 / amax))`
-#   (int8, |q| <= 127), stored so that each 32-bit word holds the 4 even or the 4 odd inputs
-#   of a group of 8 (the order of the low and high nibbles of a tiled word);
+# * x, per row and group of 64 inputs (4 blocks of 16): `xs = amax / 127`,
+#   `q = roundeven(x * (127 / amax))` (int8, |q| <= 127), stored so that each 32-bit word holds
+#   the 4 even or the 4 odd inputs of 8 (the order of the low and high nibbles of a tiled
+#   word); a group whose amax is at most 2^-40 of the row's rounds to zeros;
 # * a tiled word vector (16 rows x 8 codes, 64 bytes): low and high nibbles split with one
 #   shift and two masks, each looked up as `2 * E2M1 + 12` (0..24, unsigned) with one
 #   `vpshufb`; then one `vpdpbusd` each against the 4 int8 inputs broadcast: 64 products;
 # * per block: `dot - 12 * sum(q)` (the offset: the sums start from it), converted to float and
-#   multiplied by the block's E4M3 scales times `xs / 2` (the codes are twice E2M1).
+#   added times the block's E4M3 scales (one FMA), the row's sums kept in units of its group's
+#   `xs / 2` (the codes are twice E2M1); per group, one multiply takes them to the next group's
+#   step, and one at the end to the last.
 #
-# About 7 instructions per 128 weights in the loop and 5 per block of 256. The integer dot
-# products are exact, so the op computes `s * scale_2 * <W', x_q> + <U, t>` where `x_q` is x
-# rounded as above: its error against float activations is that rounding, half an int8 step
-# of each block's largest input. `t = x @ V` keeps the float inputs.
+# Decoding the weights takes about 7 instructions per 128, shared by up to 8 rows; each row
+# then takes 6 per block of 256 products (4 `vpdpbusd`, the conversion, the FMA), all on the
+# vector multiply pipes, which bound the tile when many rows share the decoded weights
+# (docs/decode-speed.md, 2026-12-06). The integer dot products are exact, so the op
+# computes `s * scale_2 * <W', x_q> + <U, t>` where `x_q` is x rounded as above: its error
+# against float activations is that rounding, half an int8 step of each group's largest input.
+# `t = x @ V` keeps the float inputs.
 #
 # Off AVX-512 VNNI (and BW) the same integers are computed lane by lane: the op gives the same
 # results on every CPU, slowly.
@@ -50,6 +56,12 @@ comptime E2M1_U8 = SIMD[U8, 16](12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8
 comptime A8_ROWS = 64
 # Rows of x one thread rounds at a time, when there are more than that.
 comptime QUANT_ROWS = 16
+# Blocks of 16 inputs that share one int8 step: 64 inputs (even: the tiles' two sums per row
+# take alternate blocks). A step per block would cost each row a multiply per block.
+comptime A8_GROUP = 4
+# A group whose largest input is at most this share of its row's largest rounds to zeros (2^-40,
+# far below the other groups' rounding), so the ratio of two kept steps stays within 2^40.
+comptime A8_FLUSH = Float32(9.094947017729282e-13)
 
 # `vpdpbusd` and `vpshufb` on 512 bits.
 # (Every CPU with AVX-512 VNNI has AVX-512 BW.)
@@ -96,31 +108,57 @@ def quantize_rows_a8[
     scale: Ptr[F32],
     offset: Ptr[I32],
 ):
-    """Rows of x in int8 per block of 16 inputs, in the order the tiles read.
+    """Rows of x in int8 per group of A8_GROUP blocks of 16 inputs, in the order the tiles read.
 
     `q[m * K + 16 b + 8 h + 4 p + i]` = the rounded input `16 b + 8 h + 2 i + p` (group h of the
-    block, p = 0 the even inputs, 1 the odd); `scale[m * K/16 + b]` = the block's step over 2
-    (`amax / 254`: the codes are twice E2M1), `offset[m * K/16 + b]` = -12 * the sum of its q,
-    the value a block's integer sums start from (so no subtraction follows them).
+    block, p = 0 the even inputs, 1 the odd); `offset[m * K/16 + b]` = -12 * the sum of block
+    b's q, the value its integer sums start from (so no subtraction follows them). A group's
+    step over 2 is `amax / 254` (the codes are twice E2M1); a group whose amax is at most
+    A8_FLUSH times the row's is rounded to zeros. Per row, ng + 1 floats (ng = ceil(K/16 /
+    A8_GROUP), the last group may be short): `scale[m * (ng + 1) + g]` = the step of the
+    nearest kept group before g over g's own (1 where g is flushed or none is kept before it),
+    `scale[m * (ng + 1) + ng]` = the last kept group's step (0 if none): the tiles carry their
+    sums in units of the current step, so each group costs one multiply a row, not a block.
     """
     var nb = K // QBLOCK
+    var ng = ceildiv(nb, A8_GROUP)
     for m in range(M):
+        var top = Float32(0)
         for b in range(nb):
-            var v = SIMD[F32, QBLOCK](0)
-            comptime for i in range(QBLOCK):
-                v[i] = x.unsafe_load(m * xs + b * QBLOCK + i).cast[F32]()
-            var amax = abs(v).reduce_max()
-            var inv = Float32(127) / amax if amax > 0 else Float32(0)
-            var r = llvm_intrinsic["llvm.roundeven", SIMD[F32, QBLOCK]](v * inv).cast[I32]()
-            var total = Int32(0)
-            comptime for h in range(2):
-                comptime for p in range(2):
-                    comptime for i in range(4):
-                        var value = r[8 * h + 2 * i + p]
-                        total += value
-                        q.unsafe_store(m * K + b * QBLOCK + 8 * h + 4 * p + i, value.cast[I8]())
-            scale.unsafe_store(m * nb + b, amax / Float32(254))
-            offset.unsafe_store(m * nb + b, -total * OFFSET)
+            var v = x.unsafe_load[width=QBLOCK](m * xs + b * QBLOCK)
+            top = max(top, abs(v.cast[F32]()).reduce_max())
+        var floor = top * A8_FLUSH
+        var last = Float32(0)
+        for g in range(ng):
+            var b0 = g * A8_GROUP
+            var b1 = min(b0 + A8_GROUP, nb)
+            var amax = Float32(0)
+            for b in range(b0, b1):
+                var v = x.unsafe_load[width=QBLOCK](m * xs + b * QBLOCK)
+                amax = max(amax, abs(v.cast[F32]()).reduce_max())
+            var kept = amax > floor
+            var inv = Float32(127) / amax if kept else Float32(0)
+            for b in range(b0, b1):
+                var v = x.unsafe_load[width=QBLOCK](m * xs + b * QBLOCK).cast[F32]()
+                var r = llvm_intrinsic["llvm.roundeven", SIMD[F32, QBLOCK]](v * inv).cast[I32]()
+                var total = Int32(0)
+                comptime for h in range(2):
+                    comptime for p in range(2):
+                        comptime for i in range(4):
+                            var value = r[8 * h + 2 * i + p]
+                            total += value
+                            q.unsafe_store(
+                                m * K + b * QBLOCK + 8 * h + 4 * p + i, value.cast[I8]()
+                            )
+                offset.unsafe_store(m * nb + b, -total * OFFSET)
+            var ratio = Float32(1)
+            if kept:
+                var step = amax / Float32(254)
+                if last > 0:
+                    ratio = last / step
+                last = step
+            scale.unsafe_store(m * (ng + 1) + g, ratio)
+        scale.unsafe_store(m * (ng + 1) + ng, last)
 
 
 @always_inline
@@ -153,43 +191,55 @@ def _a8_tile[
     chains overlap; from 8 rows on, one of each: the rows' chains overlap each other."""
     comptime P = 2 if mr <= 4 else 1
     var nb = K // QBLOCK
+    var ng = ceildiv(nb, A8_GROUP)
     var wn = w.unsafe_offset(n * ws)
     var sn = scale.unsafe_offset(n * ss)
     var acc = Array[SIMD[F32, LANES], P * mr](fill=0)
-    for b in range(nb):
-        var base = wn.unsafe_offset(b * 2 * WORD_BYTES)
-        # Each row's first sum starts at its block's -12 * sum(q): the offset costs no
-        # instruction of its own.
-        var dots = Array[SIMD[I32, LANES], P * mr](fill=0)
+    for g in range(ng):
+        # The sums so far, in units of this group's step (the ratio of the last step to it).
         comptime for j in range(mr):
-            dots[P * j] = SIMD[I32, LANES](xoffset.unsafe_load((m + j) * nb + b))
-        comptime for h in range(2):
-            var words = base.unsafe_load[width=64](h * WORD_BYTES)
-            prefetch[PrefetchOptions().for_read().high_locality()](
-                base.unsafe_offset(TILED_AHEAD + h * WORD_BYTES)
-            )
-            prefetch[PrefetchOptions().for_read().medium_locality()](
-                base.unsafe_offset(TILED_FAR + h * WORD_BYTES)
-            )
-            var lo = _lookup(words & 0x0F)
-            var hi = _lookup(
-                bitcast[U8, 64](bitcast[DType.uint16, 32](words) >> 4) & 0x0F
-            )
-            comptime for j in range(mr):
-                comptime d = P * j + (h if P == 2 else 0)
-                var qx = q.unsafe_offset(
-                    (m + j) * K + b * QBLOCK + 8 * h
-                ).unsafe_bitcast[Int32]()
-                dots[d] = _dot4(dots[d], lo, qx.unsafe_load(0))
-                dots[d] = _dot4(dots[d], hi, qx.unsafe_load(1))
-        var sc = e4m3[LANES](sn.unsafe_load[width=LANES](b * LANES).cast[U32]())
-        comptime for j in range(mr):
-            var row = (m + j) * nb + b
-            var dot = dots[P * j]
-            comptime if P == 2:
-                dot += dots[P * j + 1]
-            var a = P * j + b % P
-            acc[a] = fma(dot.cast[F32](), sc * xscale.unsafe_load(row), acc[a])
+            var ratio = SIMD[F32, LANES](xscale.unsafe_load((m + j) * (ng + 1) + g))
+            comptime for p in range(P):
+                acc[P * j + p] *= ratio
+        comptime for bi in range(A8_GROUP):
+            var b = g * A8_GROUP + bi
+            if b < nb:
+                var base = wn.unsafe_offset(b * 2 * WORD_BYTES)
+                # Each row's first sum starts at its block's -12 * sum(q): the offset costs no
+                # instruction of its own.
+                var dots = Array[SIMD[I32, LANES], P * mr](fill=0)
+                comptime for j in range(mr):
+                    dots[P * j] = SIMD[I32, LANES](xoffset.unsafe_load((m + j) * nb + b))
+                comptime for h in range(2):
+                    var words = base.unsafe_load[width=64](h * WORD_BYTES)
+                    prefetch[PrefetchOptions().for_read().high_locality()](
+                        base.unsafe_offset(TILED_AHEAD + h * WORD_BYTES)
+                    )
+                    prefetch[PrefetchOptions().for_read().medium_locality()](
+                        base.unsafe_offset(TILED_FAR + h * WORD_BYTES)
+                    )
+                    var lo = _lookup(words & 0x0F)
+                    var hi = _lookup(
+                        bitcast[U8, 64](bitcast[DType.uint16, 32](words) >> 4) & 0x0F
+                    )
+                    comptime for j in range(mr):
+                        comptime d = P * j + (h if P == 2 else 0)
+                        var qx = q.unsafe_offset(
+                            (m + j) * K + b * QBLOCK + 8 * h
+                        ).unsafe_bitcast[Int32]()
+                        dots[d] = _dot4(dots[d], lo, qx.unsafe_load(0))
+                        dots[d] = _dot4(dots[d], hi, qx.unsafe_load(1))
+                var sc = e4m3[LANES](sn.unsafe_load[width=LANES](b * LANES).cast[U32]())
+                comptime for j in range(mr):
+                    var dot = dots[P * j]
+                    comptime if P == 2:
+                        dot += dots[P * j + 1]
+                    comptime a = P * j + bi % P  # A8_GROUP is even: b % P == bi % P
+                    acc[a] = fma(dot.cast[F32](), sc, acc[a])
+    comptime for j in range(mr):
+        var step = SIMD[F32, LANES](xscale.unsafe_load((m + j) * (ng + 1) + ng))
+        comptime for p in range(P):
+            acc[P * j + p] *= step
     var totals = Array[SIMD[F32, LANES], mr](fill=0)
     comptime for j in range(mr):
         totals[j] = acc[P * j]
@@ -295,7 +345,8 @@ def nvfp4_a8_linear[
     rows x LANES_GROUPS tiles in parallel. A decode step is one row chunk."""
     var nb = K // QBLOCK
     var q_buf = List[Int8](unsafe_uninit_length=M * K)
-    var xscale_buf = List[Float32](unsafe_uninit_length=M * nb)
+    var ng = ceildiv(nb, A8_GROUP)
+    var xscale_buf = List[Float32](unsafe_uninit_length=M * (ng + 1))
     var xoffset_buf = List[Int32](unsafe_uninit_length=M * nb)
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
     var xscale = xscale_buf.unsafe_ptr().unsafe_origin_cast[MutAnyOrigin]()
@@ -312,7 +363,7 @@ def nvfp4_a8_linear[
                 min(QUANT_ROWS, M - m0),
                 K,
                 q.unsafe_offset(m0 * K),
-                xscale.unsafe_offset(m0 * nb),
+                xscale.unsafe_offset(m0 * (ng + 1)),
                 xoffset.unsafe_offset(m0 * nb),
             )
 

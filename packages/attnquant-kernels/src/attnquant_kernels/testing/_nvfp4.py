@@ -212,18 +212,31 @@ def check_linear_nvfp4_tiled(model: OpModel, M: int, K: int, N: int, R: int, see
     _close_nvfp4(outputs, x, W, s, U, V, f"cpu linear_nvfp4_tiled M={M} K={K} N={N}")
 
 
+#: Inputs that share one int8 step in ``generated_linear_nvfp4_tiled_a8`` (4 blocks of 16).
+A8_GROUP = 64
+#: A group whose largest input is at most this share of its row's largest rounds to zeros.
+A8_FLUSH = np.float32(2.0**-40)
+
+
 def quantize_activations_a8(x: np.ndarray) -> np.ndarray:
     """``x [M, K]`` (float32) as ``generated_linear_nvfp4_tiled_a8`` rounds it, back in float64:
-    per row and block of 16 inputs ``q = rint(x * (127 / amax))`` (ties to even, float32
-    arithmetic), times ``amax / 127``; an all-zero block stays zero."""
+    per row and group of :data:`A8_GROUP` inputs (the last may be short, a multiple of 16)
+    ``q = rint(x * (127 / amax))`` (ties to even, float32 arithmetic), times ``amax / 127``;
+    a group whose ``amax`` is at most :data:`A8_FLUSH` times the row's is zeros."""
+    x = np.asarray(x, np.float32)
     M, K = x.shape
-    blocks = np.asarray(x, np.float32).reshape(M, K // 16, 16)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv)
-    assert np.abs(q).max(initial=0) <= 127
-    return (q.astype(np.float64) * (amax.astype(np.float64) / 127)).reshape(M, K)
+    top = np.abs(x).max(axis=1, initial=np.float32(0)).astype(np.float32)
+    out = np.zeros((M, K), np.float64)
+    for start in range(0, K, A8_GROUP):
+        group = x[:, start : start + A8_GROUP]
+        amax = np.abs(group).max(axis=1, keepdims=True)
+        kept = amax > top[:, None] * A8_FLUSH
+        with np.errstate(divide="ignore"):
+            inv = np.where(kept, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.rint(group * inv)
+        assert np.abs(q).max(initial=0) <= 127
+        out[:, start : start + A8_GROUP] = q.astype(np.float64) * (amax.astype(np.float64) / 127)
+    return out
 
 
 def build_linear_nvfp4_tiled_a8() -> OpModel:
