@@ -123,19 +123,22 @@ def quantize_rows_a8[
     var nb = K // QBLOCK
     var ng = ceildiv(nb, A8_GROUP)
     for m in range(M):
+        var row_scale = scale.unsafe_offset(m * (ng + 1))
+        # First pass: each group's amax, parked in its scale slot, and the row's.
         var top = Float32(0)
-        for b in range(nb):
-            var v = x.unsafe_load[width=QBLOCK](m * xs + b * QBLOCK)
-            top = max(top, abs(v.cast[F32]()).reduce_max())
+        for g in range(ng):
+            var amax = Float32(0)
+            for b in range(g * A8_GROUP, min((g + 1) * A8_GROUP, nb)):
+                var v = x.unsafe_load[width=QBLOCK](m * xs + b * QBLOCK)
+                amax = max(amax, abs(v.cast[F32]()).reduce_max())
+            row_scale.unsafe_store(g, amax)
+            top = max(top, amax)
         var floor = top * A8_FLUSH
         var last = Float32(0)
         for g in range(ng):
             var b0 = g * A8_GROUP
             var b1 = min(b0 + A8_GROUP, nb)
-            var amax = Float32(0)
-            for b in range(b0, b1):
-                var v = x.unsafe_load[width=QBLOCK](m * xs + b * QBLOCK)
-                amax = max(amax, abs(v.cast[F32]()).reduce_max())
+            var amax = row_scale.unsafe_load(g)
             var kept = amax > floor
             var inv = Float32(127) / amax if kept else Float32(0)
             for b in range(b0, b1):
@@ -157,8 +160,8 @@ def quantize_rows_a8[
                 if last > 0:
                     ratio = last / step
                 last = step
-            scale.unsafe_store(m * (ng + 1) + g, ratio)
-        scale.unsafe_store(m * (ng + 1) + ng, last)
+            row_scale.unsafe_store(g, ratio)
+        row_scale.unsafe_store(ng, last)
 
 
 @always_inline
