@@ -10,6 +10,10 @@ THETA/BASE as the geometric mean of within-pair ratios with a bootstrap-over-pai
 machine's load beside each row):
 
 * ``float32``: the base itself, served again (what ``--against`` times it against);
+* ``float32 custom-op``: the same dense weights on attnquant's own float ops (``--path
+  custom-op``: decomposed at load at passthrough, one ``generated_linear`` per projection and one
+  ``generated_mlp`` per MLP) instead of MAX's stock matmul: the issue's "offer attnquant's ops
+  where they decode a dense model faster";
 * ``budget 0.7`` / ``budget 0.5``: ``decompose --budget`` checkpoints, served in the graph
   (``ATTNQUANT_PRECOMPUTE_OUTSIDE=0``, GEMM path) where attnquant-max serves their forms there,
   else on precompute-outside (dense rebuilt at load: no smaller, no faster), and the row says so;
@@ -78,6 +82,7 @@ from synthetic_llama import SHAPES, cached_synthetic, projection_shapes, write_g
 
 VARIANTS = (
     "float32",
+    "float32 custom-op",
     "budget 0.7",
     "budget 0.5",
     "budget 0.7 custom-op",
@@ -222,6 +227,9 @@ def prepare(
         return out, overrides, "in graph, packed W0 + s, U, V in fused generated_linear_nvfp4"
     if variant == "float32":  # a second copy of the base, to time against --against
         return base_dir, {"path": "precompute-outside"}, "float32, MAX's stock graph"
+    if variant == "float32 custom-op":
+        how = "float32 at passthrough, attnquant's float ops (generated_linear, generated_mlp)"
+        return base_dir, {"path": "custom-op"}, how
     if variant.startswith("llama.cpp"):
         import llamacpp
 

@@ -55,7 +55,8 @@ __all__ = [
 # groups (each about 4-7 min cold) so that the two workers compile them side by side;
 # "nvfp4-theta" (a checkpoint mixing NVFP4-W0 banded families with float forms, served in the
 # graph on the fused op) is one more; its layers' dequantize form rides in the "layers" graph.
-# "custom-budget" is a budget checkpoint's forms on the custom op (about 3 min cold).
+# "custom-budget" is a budget checkpoint's forms on the custom op (about 3 min cold);
+# "custom-dense" the dense tiny Llama on the custom op, decomposed at load at passthrough.
 # Everything else runs after them.
 GRAPH_GROUPS = (
     "gemm",
@@ -66,6 +67,7 @@ GRAPH_GROUPS = (
     "nvfp4-theta",
     "custom",
     "custom-budget",
+    "custom-dense",
     "stock",
 )
 

@@ -286,3 +286,30 @@ def test_budget_checkpoint_on_the_custom_op_agrees_with_precompute_outside(
         f"budget 0.5 on the custom op: max |dlogprob| {report.max_abs_logprob_delta:.2e}, "
         f"{report.theta_weight_bytes} of {report.base_weight_bytes} weight bytes"
     )
+
+
+@pytest.mark.xdist_group("custom-dense")
+def test_a_dense_checkpoint_on_the_custom_op_is_the_stock_model(
+    tiny_dense: Path, dense_model: LoadedModel
+) -> None:
+    """Compiled: ``--path custom-op`` on a dense checkpoint (decomposed at load at passthrough:
+    ``W0`` the weights, ``s = 1``, no correction) serves the stock model's greedy tokens with
+    attnquant's float ops in place of MAX's matmul, holding the dense bytes. On the CPU this
+    decodes a 300M model faster than the stock matmul (docs/serving-paths.md)."""
+    from attnquant_max import plan_serving
+
+    plan = plan_serving(tiny_dense, CUSTOM)
+    assert (plan.source, plan.path, plan.blocks, plan.rank) == ("dense", "custom-op", "layers", 0)
+    with load_tiny(tiny_dense, CUSTOM) as custom:
+        text = str(decoder_graph(custom, CUSTOM)[0])
+        assert text.count('"generated_linear"') == 4 * LAYERS
+        assert text.count('"generated_mlp"') == LAYERS
+        assert sum(count_matmuls(text).values()) == 1  # the LM head alone on MAX's matmul
+        for prompt in PROMPTS:
+            ids = dense_model.encode(prompt)
+            assert greedy_generate(custom, ids, 12) == greedy_generate(dense_model, ids, 12)
+        report = logit_parity(dense_model, custom, PROMPTS, 8)
+    assert report.max_abs_logprob_delta < 1e-3, report
+    assert report.agreement == 1.0
+    assert report.theta_weight_bytes <= 1.01 * report.base_weight_bytes
+    print(f"dense on the custom op: max |dlogprob| {report.max_abs_logprob_delta:.2e}")

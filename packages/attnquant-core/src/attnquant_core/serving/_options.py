@@ -80,7 +80,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "(precompute-outside), a compressed theta checkpoint of a Llama model in the graph "
         "(in-graph); precompute-outside: W_eff = s*W0 + U V^T rebuilt once at load, stock MAX "
         "graph; in-graph: GEMM or custom op, the one measured faster on the device; gemm: "
-        "s*(x W0^T) + (x V) U^T; custom-op: attnquant-kernels' generated_linear/mlp/lowrank; "
+        "s*(x W0^T) + (x V) U^T; custom-op: attnquant-kernels' generated_linear/mlp/lowrank "
+        "(a dense checkpoint too, decomposed at load at passthrough: on a CPU it can decode "
+        "faster than the stock matmul, see docs/serving-paths.md); "
         "precompute: W_eff formed in the graph each forward.",
     ),
     OptionSpec(
