@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from attnquant_kernels import MAX_RANK
 from attnquant_kernels.layout import tile_nvfp4
 from attnquant_kernels.testing import (
+    F32_RTOL,
     OpModel,
     build_linear_nvfp4,
     build_linear_nvfp4_tiled,
@@ -27,6 +28,7 @@ from attnquant_kernels.testing import (
     check_linear_nvfp4,
     check_linear_nvfp4_tiled,
     check_linear_nvfp4_tiled_a8,
+    close,
     nvfp4_dequantize,
     nvfp4_random,
     quantize_activations_a8,
@@ -322,6 +324,27 @@ def test_linear_nvfp4_a8_random_shapes(
     x = rng.standard_t(3, (M, 16 * blocks)).astype(np.float32)
     x[:, 64 * group : 64 * group + 64] *= np.float32(factor)
     check_linear_nvfp4_tiled_a8(linear_nvfp4_tiled_a8, M, 16 * blocks, N, R, seed, x=x)
+
+
+@pytest.mark.parametrize("M", [16, 5, 1])
+@pytest.mark.xdist_group("linear_nvfp4")
+def test_linear_nvfp4_a8_decodes_every_scale_byte(linear_nvfp4_tiled_a8: OpModel, M: int):
+    """Row n of W has scale byte n in all 4 blocks (all 256: subnormals, negatives, the NaN
+    bytes), in tiles of 8, 4 and 1 input rows. Each output column is the identity over the
+    rounded x, relative to its own size (columns of zeros exactly); the NaN bytes give NaN."""
+    rng = np.random.default_rng(11)
+    weight = rng.integers(0, 256, (256, 32), dtype=np.uint8)
+    weight_scale = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 4, axis=1)
+    weight_scale_2 = np.ones(1, np.float32)
+    _, s, U, V = theta(rng, 256, 64, 0)
+    x = rng.standard_normal((M, 64)).astype(np.float32)
+    y, _ = linear_nvfp4_tiled_a8(x, *tile_nvfp4(weight, weight_scale), weight_scale_2, s, U, V)
+    W = nvfp4_dequantize(weight, weight_scale, weight_scale_2).astype(np.float64)
+    want = s.astype(np.float64) * (quantize_activations_a8(x) @ W.T)
+    nan = [0x7F, 0xFF]
+    assert np.isnan(y[:, nan]).all()
+    for n in np.delete(np.arange(256), nan):
+        close(y[:, n], want[:, n], F32_RTOL, f"a8 scale byte {n:#04x} M={M}")
 
 
 def test_a8_rounding_steps_per_group_and_flushes_negligible_groups():
