@@ -32,6 +32,8 @@ def work(tmp_path: Path) -> Path:
     ("variant", "path", "overrides"),
     [
         ("budget 0.5", "budget_0.5", {"path": "gemm"}),
+        ("float32", "base", {"path": "precompute-outside"}),
+        ("float32 custom-op", "base", {"path": "custom-op"}),
         ("budget 0.5 custom-op", "budget_0.5", {"path": "custom-op"}),
         (
             "budget 0.5 custom-op+head",
