@@ -30,6 +30,7 @@ import pytest
 from attnquant_core.serving import FUSED_GROUPS
 from attnquant_max import (
     LoadedModel,
+    ParityReport,
     ServingOptions,
     count_matmuls,
     decoder_graph,
@@ -94,13 +95,19 @@ def test_in_graph_paths_agree_with_precompute_outside(
     in_graph: LoadedModel, outside_bundle: LoadedModel
 ) -> None:
     """Same bundle, same greedy tokens; log-probabilities within float32 reassociation."""
+    assert _same_model(outside_bundle, in_graph, 1e-2).native_equivalent
+
+
+def _same_model(reference: LoadedModel, served: LoadedModel, tolerance: float) -> ParityReport:
+    """``served`` gives ``reference``'s greedy tokens on every prompt, and its log-probabilities
+    within ``tolerance``; the parity report."""
     for prompt in PROMPTS:
-        ids = outside_bundle.encode(prompt)
-        assert greedy_generate(in_graph, ids, 12) == greedy_generate(outside_bundle, ids, 12)
-    report = logit_parity(outside_bundle, in_graph, PROMPTS, 8)
-    assert report.max_abs_logprob_delta < 1e-2, report
+        ids = reference.encode(prompt)
+        assert greedy_generate(served, ids, 12) == greedy_generate(reference, ids, 12)
+    report = logit_parity(reference, served, PROMPTS, 8)
+    assert report.max_abs_logprob_delta < tolerance, report
     assert report.agreement == 1.0
-    assert report.native_equivalent
+    return report
 
 
 def test_gemm_path_is_logged_once(tiny_theta: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -275,12 +282,7 @@ def test_budget_checkpoint_on_the_custom_op_agrees_with_precompute_outside(
     the greedy tokens of the same checkpoint rebuilt at load, log-probabilities within float32
     reassociation."""
     with load_tiny(tiny_budget) as outside, load_tiny(tiny_budget, CUSTOM) as custom:
-        for prompt in PROMPTS:
-            ids = outside.encode(prompt)
-            assert greedy_generate(custom, ids, 12) == greedy_generate(outside, ids, 12)
-        report = logit_parity(outside, custom, PROMPTS, 8)
-    assert report.max_abs_logprob_delta < 1e-3, report
-    assert report.agreement == 1.0
+        report = _same_model(outside, custom, 1e-3)
     assert report.theta_weight_bytes < report.base_weight_bytes
     print(
         f"budget 0.5 on the custom op: max |dlogprob| {report.max_abs_logprob_delta:.2e}, "
@@ -305,11 +307,6 @@ def test_a_dense_checkpoint_on_the_custom_op_is_the_stock_model(
         assert text.count('"generated_linear"') == 4 * LAYERS
         assert text.count('"generated_mlp"') == LAYERS
         assert sum(count_matmuls(text).values()) == 1  # the LM head alone on MAX's matmul
-        for prompt in PROMPTS:
-            ids = dense_model.encode(prompt)
-            assert greedy_generate(custom, ids, 12) == greedy_generate(dense_model, ids, 12)
-        report = logit_parity(dense_model, custom, PROMPTS, 8)
-    assert report.max_abs_logprob_delta < 1e-3, report
-    assert report.agreement == 1.0
+        report = _same_model(dense_model, custom, 1e-3)
     assert report.theta_weight_bytes <= 1.01 * report.base_weight_bytes
     print(f"dense on the custom op: max |dlogprob| {report.max_abs_logprob_delta:.2e}")
