@@ -36,7 +36,7 @@ machine's load beside each row):
   dispatch (``NVFP4MergedLinear``): what merging buys, side by side;
 * ``nvfp4 float`` / ``nvfp4+head float``: the tiled rows with ``--no-nvfp4-int8``: decode
   steps multiply float activations, where the rows above (``--nvfp4-int8``, the default) round
-  them to int8 per block of 16 and multiply integers (``generated_linear_nvfp4_tiled_a8``);
+  them to int8 per group of 64 and multiply integers (``generated_linear_nvfp4_tiled_a8``);
 * ``gguf q4_0`` / ``gguf q4_k``: what a CPU user picks instead for 4-bit: the same weights
   written as a GGUF ``q4_0`` file (``gguf`` package, llama.cpp's layout) or ``q4_k`` file
   (``synthetic_llama.quantize_q4_k``: the ``gguf`` package cannot write K-quants) and served

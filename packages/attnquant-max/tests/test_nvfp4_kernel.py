@@ -134,7 +134,7 @@ def test_start_up_measurement_checks_the_fused_op_and_logs_the_choice(
 def test_int8_decode_steps_stay_within_their_rounding_of_the_float_op(
     tiny_dense: Path, tmp_path: Path
 ) -> None:
-    """``--nvfp4-int8``: every projection rounds its activations to int8 per block of 16 and
+    """``--nvfp4-int8``: every projection rounds its activations to int8 per group of 64 and
     multiplies integers, in decode steps (one row) and in the prompt's forward alike, so the
     int8 model's decode steps score as its whole prefixes do (each row is rounded on its own).
     Scored through decode steps (:func:`attnquant_max.decode_logprobs`) against the same model

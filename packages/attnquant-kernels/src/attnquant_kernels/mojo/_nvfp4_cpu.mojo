@@ -164,7 +164,7 @@ def nvfp4_linear_cpu[
     columns past the last whole panel as below). `tiled`: `w` and `scale` in the layout of
     `tile_nvfp4`; every whole tile of 16 rows then runs on the lane tiles (below the panel
     rows, and past the last whole panel), the rows past the last tile as row-major.
-    `a8` (tiled only): at any row count the whole tiles take x rounded to int8 per block of 16
+    `a8` (tiled only): at any row count the whole tiles take x rounded to int8 per group of 64
     inputs (_nvfp4_a8.mojo, no panels); the row-major rows past them take float x.
     """
     comptime assert tiled or not a8, "int8 activations read the tiled layout"

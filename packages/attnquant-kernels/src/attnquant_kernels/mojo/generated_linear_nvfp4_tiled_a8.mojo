@@ -1,5 +1,5 @@
-# generated_linear_nvfp4_tiled_a8: generated_linear_nvfp4_tiled that rounds x to int8 per block
-# of 16 inputs and multiplies integers (_nvfp4_a8.mojo: AVX-512 VNNI where the CPU has it, the
+# generated_linear_nvfp4_tiled_a8: generated_linear_nvfp4_tiled that rounds x to int8 per group
+# of 64 inputs and multiplies integers (_nvfp4_a8.mojo: AVX-512 VNNI where the CPU has it, the
 # same integers lane by lane elsewhere), at every row count: decode steps, batches, prompts.
 # The correction `(x V) U^T` and the outputs past the last whole tile take float x. Operands as
 # generated_linear_nvfp4.mojo; the CPU only. Its result is the projection of the rounded x, not
