@@ -33,7 +33,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,14 @@ __all__ = [
 
 #: The llama-cpp-python release whose vendored llama.cpp tree is built (its commit is recorded).
 LLAMA_CPP_PYTHON = "0.3.36"
-TOOLS = ("llama-bench", "llama-quantize", "llama-server", "llama-perplexity", "llama-imatrix")
+TOOLS = (
+    "llama-bench",
+    "llama-quantize",
+    "llama-server",
+    "llama-perplexity",
+    "llama-imatrix",
+    "llama-tokenize",
+)
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -113,9 +120,9 @@ def build(version: str = LLAMA_CPP_PYTHON, *, jobs: int | None = None) -> dict[s
     flags = cmake_flags()
     if marker.exists():
         info = json.loads(marker.read_text())
-        if info.get("cmake_flags") == flags:
+        if info.get("cmake_flags") == flags and set(TOOLS) <= set(info.get("tools", ())):
             return info
-        print(f"{home}: built with {info.get('cmake_flags')}; rebuilding with {flags}")
+        print(f"{home}: built with {info.get('cmake_flags')} ({info.get('tools')}); rebuilding")
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     sdist = root / f"llama_cpp_python-{version}.tar.gz"
@@ -201,139 +208,26 @@ def hf_name(name: str) -> str:
     return f"model.layers.{layer}.{module}.weight"
 
 
-def permute_rope(W: np.ndarray, heads: int, *, inverse: bool = False) -> np.ndarray:
-    """llama.cpp's q/k row order: per head, half-split RoPE pairs to interleaved (or back)."""
-    rows = W.shape[0]
-    if inverse:
-        return W.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(W.shape)
-    return W.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(W.shape)
-
-
-def _tensors(checkpoint: Path) -> Iterator[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
-
-    index = checkpoint / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    else:
-        files = ["model.safetensors"]
-    for name in files:
-        with safe_open(checkpoint / name, "numpy") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-
-
 def _layer_order(key: str) -> tuple[int, str]:
     parts = key.split(".")
     return (int(parts[2]) if parts[1] == "layers" else -1, key)
 
 
 def hf_to_gguf(checkpoint: Path, out: Path) -> Path:
-    """Write a Hugging Face Llama ``checkpoint`` as a float32 GGUF with its BPE tokenizer.
+    """A Hugging Face Llama ``checkpoint`` as a float32 GGUF (:func:`attnquant_core.io.export_gguf`).
+    For a checkpoint that ``attnquant import`` made, write its source GGUF back in float32
+    instead (:func:`attnquant_core.io.dequantize_gguf`): the same metadata and tokenizer."""
+    from attnquant_core.io import export_gguf
 
-    What llama.cpp's ``convert_hf_to_gguf.py`` writes for such a model (it needs torch and
-    transformers, so it is not used): the hyperparameters, the byte-level BPE vocabulary with
-    its merges and special ids (``gpt2`` model, GPT-2 pre-tokenizer, as the tokenizer's
-    ``ByteLevel(use_regex)`` splits), every tensor float32, q/k rows in llama.cpp's RoPE order.
-    """
-    import gguf
-
-    cfg = json.loads((checkpoint / "config.json").read_text())
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    tmp = out.with_name(out.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name(checkpoint.name)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(writer, checkpoint, cfg)
-    tensors = dict(_tensors(checkpoint))
-    if cfg.get("tie_word_embeddings") and "lm_head.weight" in tensors:
-        del tensors["lm_head.weight"]
-    for key in sorted(tensors, key=_layer_order):
-        W = tensors[key].astype(np.float32)
-        if key.endswith("q_proj.weight"):
-            W = permute_rope(W, heads)
-        elif key.endswith("k_proj.weight"):
-            W = permute_rope(W, kv_heads)
-        writer.add_tensor(gguf_name(key), np.ascontiguousarray(W))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(out)
-    return out
-
-
-def _add_tokenizer(writer: Any, checkpoint: Path, cfg: dict) -> None:
-    """The ``tokenizer.json`` byte-level BPE as GGUF's ``gpt2`` tokenizer."""
-    import gguf
-
-    tok = json.loads((checkpoint / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    special = {t["id"]: t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
-    size = max(cfg["vocab_size"], max(vocab.values()) + 1)
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    types = [gguf.TokenType.UNUSED] * size
-    for text, i in vocab.items():
-        tokens[i] = text
-        types[i] = gguf.TokenType.NORMAL
-    for i, text in special.items():
-        tokens[i] = text
-        types[i] = gguf.TokenType.CONTROL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    for key, add in (
-        ("bos_token_id", writer.add_bos_token_id),
-        ("eos_token_id", writer.add_eos_token_id),
-        ("pad_token_id", writer.add_pad_token_id),
-    ):
-        if cfg.get(key) is not None:
-            add(cfg[key])
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
+    return export_gguf(checkpoint, out)
 
 
 def gguf_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """A GGUF's tensors dequantized to float32, as Hugging Face keys and row order, and the bytes
-    each tensor holds in the file (what its bits per weight are counted from)."""
-    import gguf
+    """A GGUF's tensors dequantized to float32 under Hugging Face keys, and the bytes each holds
+    in the file (:func:`attnquant_core.io.gguf_state`)."""
+    from attnquant_core.io import gguf_state as read
 
-    reader = gguf.GGUFReader(str(path))
-    fields = {f.name: f for f in reader.fields.values()}
-
-    def scalar(name: str) -> int:
-        field = fields[name]
-        return int(field.parts[field.data[0]][0])
-
-    heads, kv_heads = scalar("llama.attention.head_count"), scalar("llama.attention.head_count_kv")
-    state, sizes = {}, {}
-    for t in reader.tensors:
-        W = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        W = W.reshape([int(d) for d in reversed(t.shape)])
-        key = hf_name(t.name)
-        if key.endswith("q_proj.weight"):
-            W = permute_rope(W, heads, inverse=True)
-        elif key.endswith("k_proj.weight"):
-            W = permute_rope(W, kv_heads, inverse=True)
-        state[key] = W
-        sizes[key] = int(t.n_bytes)
+    state, sizes, _ = read(path)
     return state, sizes
 
 
@@ -413,7 +307,13 @@ class LlamaServer:
     """
 
     def __init__(
-        self, model: Path, *, threads: int = 2, ctx: int = 1024, parallel: int = 1
+        self,
+        model: Path,
+        *,
+        threads: int = 2,
+        ctx: int = 1024,
+        parallel: int = 1,
+        extra: Sequence[str] = (),
     ) -> None:
         from attnquant_max.gateway import free_port
 
@@ -422,7 +322,7 @@ class LlamaServer:
         self.log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
         cmd = [tool("llama-server"), "-m", model, "--host", "127.0.0.1", "--port", self.port]
         cmd += ["-t", threads, "-tb", threads, "-c", ctx * parallel, "-np", parallel]
-        cmd += ["-b", 512, "-ub", 512, "--no-webui"]
+        cmd += ["-b", 512, "-ub", 512, "--no-webui", *extra]
         self.command = [str(c) for c in cmd]
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)

@@ -27,6 +27,7 @@ from .commands.bench import bench
 from .commands.decompose import decompose
 from .commands.export import export
 from .commands.generate import generate
+from .commands.import_gguf import import_command
 from .commands.serve import serve
 from .commands.verify import verify
 
@@ -41,6 +42,7 @@ app = typer.Typer(
 )
 # Registered in the order `attnquant --help` lists them.
 app.command()(check)  # attnquant check CKPT: tensor digests
+app.command(name="import")(import_command)  # attnquant import FILE.gguf -o DIR
 app.command()(calibrate)  # attnquant calibrate CKPT -o STATS: input grams
 app.command(name="eval")(evaluate_command)  # attnquant eval BASE [THETA...]
 app.command()(decompose)  # attnquant decompose CKPT -o OUT: a theta checkpoint
@@ -69,6 +71,9 @@ def cli(args: Sequence[str] | None = None) -> int:
         return 130
     except typer.TyperException as exc:  # usage errors: typer prints them like click does
         exc.show()  # type: ignore[attr-defined]
+        given = list(args) if args is not None else sys.argv[1:]
+        if "unexpected extra argument" in str(exc) and any(a.endswith("data") for a in given):
+            console.print("hint: give each path its own option: --data A --data B", soft_wrap=True)
         return int(getattr(exc, "exit_code", 2))
     except (
         AttnquantError,

@@ -91,6 +91,20 @@ def choose_forward(
     return "numpy", f"auto: {reasons[0]}"
 
 
+def reference_note(base: Path) -> str | None:
+    """What the reference is when BASE was imported from a quantized GGUF: the dequantized
+    model, not the one the GGUF was made from (``None`` otherwise)."""
+    from attnquant_core.io import gguf_source
+
+    record = gguf_source(base)
+    if not record or not record.get("quantized"):
+        return None
+    return (
+        f"reference: {base.name}, dequantized from {record['source']} "
+        f"({len(record['quantized'])} tensors were quantized there)"
+    )
+
+
 @serving_flags
 def evaluate_command(
     base: Annotated[str, typer.Argument(help="The reference checkpoint (or 'demo').")],
@@ -205,11 +219,15 @@ def evaluate_command(
         f"{windows.shape[1]} tokens of {stream_len} held-out tokens, "
         f"{results[0].tokens} predictions; {wall:.1f} s"
     )
+    reference = reference_note(base_path)
+    if reference:
+        how += f"; {reference}"
     (console if json_output else out).print_table(
         eval_table(results, title=f"eval: {how}", names=names)
     )
     if json_output:
         payload = {
+            "reference": reference,
             "forward": chosen,
             "forward_why": why,
             "devices": devices if chosen == "max" else None,

@@ -8,6 +8,8 @@
   :func:`save_theta` and the key and manifest helpers to write, :func:`atomic_directory`
   (:func:`write_atomic` for one file);
 * integrity: every tensor's digest, recorded at write, checked at read;
+* GGUF: :func:`import_gguf` writes a llama.cpp GGUF as a float32 Hugging Face checkpoint
+  (needs the ``gguf`` extra), :func:`export_gguf` a Hugging Face Llama as a float32 GGUF;
 * export: :func:`export_nvfp4` writes NVIDIA Model Optimizer's NVFP4 layout of the rebuilt
   weights (``hf_quant_config.json``), for servers that read it.
 
@@ -24,6 +26,18 @@ from ._checkpoint import (
     open_checkpoint,
     parse_projection_key,
     read_tensor_directory,
+)
+from ._gguf import (
+    GGUF_ARCHITECTURES,
+    SOURCE_FILE,
+    GGUFError,
+    ImportProgress,
+    dequantize_gguf,
+    export_gguf,
+    gguf_source,
+    gguf_state,
+    import_gguf,
+    permute_rope,
 )
 from ._integrity import IntegrityReport, check_checkpoint, require_intact
 from ._manifest import (
@@ -67,6 +81,17 @@ from ._theta_read import ThetaCheckpoint
 from ._theta_write import family_specs, family_tensors, save_theta
 
 __all__ = [
+    # GGUF
+    "GGUF_ARCHITECTURES",
+    "GGUFError",
+    "ImportProgress",
+    "SOURCE_FILE",
+    "dequantize_gguf",
+    "export_gguf",
+    "gguf_source",
+    "gguf_state",
+    "import_gguf",
+    "permute_rope",
     # safetensors files
     "PlannedWriter",
     "SafetensorsFiles",
