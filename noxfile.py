@@ -158,6 +158,30 @@ def lm_eval(session: nox.Session) -> None:
     session.run("python", script, "--out", str(out), *session.posargs, env=env)
 
 
+@nox.session(name="real-models", default=False)
+def real_models(session: nox.Session) -> None:
+    """Real trained checkpoints (the real-models group: SmolLM2-135M and Gemma 3 270M as GGUFs,
+    package data): each imported and checked against llama.cpp (token ids, greedy text and
+    log-probabilities), then judged with llama.cpp's quantizers on the same tensors
+    (bench_peers). Needs llama.cpp built (python benchmarks/llamacpp.py build); by hand, as the
+    models are a 350 MB install and the rows take about an hour each on 2 cores. Names select
+    models: ``nox -s real-models -- smollm2``. Writes bench-results/real-<model>-*.json."""
+    sync(session, "--all-packages", "--group", "bench", "--group", "real-models")
+    models = [m for m in session.posargs if m in ("smollm2", "gemma3")] or ["smollm2", "gemma3"]
+    results = ROOT / "bench-results"
+    results.mkdir(exist_ok=True)
+    session.run("python", "benchmarks/llamacpp.py", "build", env=OFFLINE)
+    for model in models:
+        session.run(
+            "python",
+            "benchmarks/real_models.py",
+            model,
+            "--out",
+            str(results / f"real-{model}.json"),
+            env=OFFLINE,
+        )
+
+
 @nox.session(default=False)
 def gpu(session: nox.Session) -> None:
     """GPU checks (needs an NVIDIA accelerator; never part of CI)."""

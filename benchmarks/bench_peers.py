@@ -224,7 +224,13 @@ def tokenizer_parity(gguf_path: Path, texts: dict[str, tuple[str, np.ndarray]]) 
 
 
 def attnquant_rows(model: Path, label: str, stats: Path, budgets, tmp: Path) -> list[Row]:
-    rows = []
+    out = tmp / "aq-passthrough"
+    t0 = time.perf_counter()
+    decompose_checkpoint(model, out, spec=DecomposeSpec(blocks="layers", rank=0), overwrite=True)
+    command = f"attnquant decompose {label} -o OUT --blocks layers --rank 0"
+    rows = [
+        theta_row("attnquant passthrough (must be exact)", command, out, time.perf_counter() - t0)
+    ]
     plain = [
         ("attnquant NVFP4, round to nearest", 0, None, ""),
         ("attnquant NVFP4, GPTQ", 0, stats, " --calibration STATS"),
@@ -308,6 +314,12 @@ def main() -> None:
         help="llama.cpp rows (by name) whose projection bytes an attnquant --budget row matches",
     )
     parser.add_argument("--no-parity", action="store_true", help="skip the tokenizer check")
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        help="the GGUF that `attnquant import` made MODEL from: llama.cpp's rows quantize its "
+        "float32 rewrite (same metadata and tokenizer), not a GGUF written from MODEL",
+    )
     parser.add_argument("--keep", type=Path, help="keep the checkpoints and GGUFs in this folder")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "bench_peers.json")
     args = parser.parse_args()
@@ -348,7 +360,19 @@ def main() -> None:
     if args.llama:
         marker = llamacpp.cache_root() / f"llama.cpp-{llamacpp.LLAMA_CPP_PYTHON}" / "built.json"
         llama["build"] = json.loads(marker.read_text()) if marker.exists() else None
-        f32 = llamacpp.hf_to_gguf(model, tmp / "F32.gguf")
+        if args.gguf:
+            from attnquant_core.io import dequantize_gguf, gguf_source
+
+            record = gguf_source(model)
+            if record is None or record["source"] != args.gguf.name:
+                raise SystemExit(f"{model} was not imported from {args.gguf}")
+            f32 = dequantize_gguf(args.gguf, tmp / "F32.gguf")
+            llama["source_gguf"] = {
+                "file": args.gguf.name,
+                "types": sorted(set(record["tensors"].values())),
+            }
+        else:
+            f32 = llamacpp.hf_to_gguf(model, tmp / "F32.gguf")
         text_file = tmp / "calibration.txt"
         text_file.write_text(llama_text(model, texts, config), encoding="utf-8")
         imat = None

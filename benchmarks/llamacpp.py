@@ -42,8 +42,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import wait_healthy
 
+from attnquant_core.io import permute_rope
+
 __all__ = [
     "LLAMA_CPP_PYTHON",
+    "permute_rope",
     "TOOLS",
     "LlamaCppModel",
     "LlamaServer",
