@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels_nvfp4 import memory_bandwidth, read_bandwidth
-from synthetic_llama import SHAPES, cached_synthetic, projection_shapes, write_gguf
+from synthetic_llama import SHAPES, cached_synthetic, projection_shapes, shape_of, write_gguf
 
 VARIANTS = (
     "float32",
@@ -307,6 +307,12 @@ def parity_of(base: Any, loaded: Any, shape: Any) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="300m")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="a Hugging Face Llama checkpoint (a real model, e.g. one `attnquant import` made) "
+        "in place of the synthetic --shape",
+    )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--pairs", type=int, default=8, help="timed ABBA pairs per variant")
     parser.add_argument("--warmup", type=int, default=1)
@@ -340,12 +346,12 @@ def main() -> None:
     from attnquant_core import machine_load, read_load, run_paired
     from attnquant_max import ServingOptions, load_pipeline
 
-    shape = SHAPES[args.shape]
+    shape = shape_of(args.model) if args.model else SHAPES[args.shape]
     proj_params, all_params = shape.parameters()
     work = args.work or Path(tempfile.mkdtemp(prefix="aq-bench-compressed-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    base_dir = cached_synthetic(work, shape)
+    base_dir = args.model.resolve() if args.model else cached_synthetic(work, shape)
     print(
         f"{shape.name}: {all_params / 1e6:.0f}M parameters ({proj_params / 1e6:.0f}M in "
         f"projections {sorted(set(projection_shapes(shape).values()))}); written in "

@@ -91,6 +91,35 @@ SHAPES = {
 }
 
 
+@dataclass(frozen=True)
+class CheckpointShape(ModelShape):
+    """The dimensions of a Llama checkpoint on disk (a real model): its own ``config.json``."""
+
+    directory: Path = Path()
+
+    def config(self) -> dict[str, object]:
+        return json.loads((self.directory / "config.json").read_text())
+
+
+def shape_of(directory: Path) -> CheckpointShape:
+    """The :class:`ModelShape` of a Hugging Face Llama checkpoint ``directory``."""
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    if cfg.get("head_dim", cfg["hidden_size"] // heads) != cfg["hidden_size"] // heads:
+        raise SystemExit(f"{directory}: head_dim != hidden / heads is not a ModelShape")
+    return CheckpointShape(
+        Path(directory).name,
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+        heads,
+        cfg["num_key_value_heads"],
+        cfg["vocab_size"],
+        bool(cfg.get("tie_word_embeddings")),
+        directory=Path(directory),
+    )
+
+
 def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """``[out, in]`` of the seven projections of one layer."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

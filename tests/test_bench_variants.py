@@ -129,3 +129,26 @@ def test_table_bytes_of_an_nvfp4_embedding(shape_name: str) -> None:
     assert streamed == (
         held if shape.tie_embeddings else held - int(nvfp4) + int(nvfp4 / shape.vocab)
     )
+
+
+def test_a_checkpoint_on_disk_is_a_shape_with_its_own_config() -> None:
+    """``bench_compressed --model DIR`` (a real model): its dimensions and config.json, so the
+    byte counts and the llama.cpp rows' numpy scoring use the model's own values."""
+    import json
+
+    from synthetic_llama import projection_shapes, shape_of
+
+    from attnquant_cli import demo_model_path
+
+    demo = demo_model_path()
+    cfg = json.loads((demo / "config.json").read_text())
+    shape = shape_of(demo)
+    assert (shape.hidden, shape.layers, shape.vocab) == (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["vocab_size"],
+    )
+    assert shape.config() == cfg
+    proj, _ = shape.parameters()
+    q, h = projection_shapes(shape)["self_attn.q_proj"]
+    assert q == h == cfg["hidden_size"] and proj > 0
