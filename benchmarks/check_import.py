@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from scipy.special import log_softmax
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp
@@ -60,12 +61,6 @@ def logits_fn(config: dict):
     from attnquant_core.llama_reference import llama_logits
 
     return llama_logits
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
 def token_parity(server: llamacpp.LlamaServer, tok, texts: dict[str, str]) -> dict:
@@ -117,7 +112,9 @@ def greedy_parity(server: llamacpp.LlamaServer, tok, config, state, n: int) -> l
         probs = r.json()["completion_probabilities"]
         theirs = [int(p["id"]) for p in probs]
         their_lp = [float(p["logprob"]) for p in probs]
-        lp = log_softmax(logits(config, state, ids + theirs[:-1], dtype=np.float32))
+        lp = log_softmax(
+            logits(config, state, ids + theirs[:-1], dtype=np.float32).astype(np.float64), axis=-1
+        )
         steps = lp[len(ids) - 1 :]
         ours = [int(a) for a in steps.argmax(-1)]
         ours_lp = [float(steps[i, t]) for i, t in enumerate(theirs)]

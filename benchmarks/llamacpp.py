@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import wait_healthy
 
-from attnquant_core.io import permute_rope
+from attnquant_core.io import gguf_tensor_name, hf_tensor_key, permute_rope
 
 __all__ = [
     "LLAMA_CPP_PYTHON",
@@ -175,40 +175,15 @@ def _version(bin_dir: Path) -> str:
 
 # --- GGUF --------------------------------------------------------------------------------------
 
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_OTHER = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
 
 def gguf_name(key: str) -> str:
-    """llama.cpp's tensor name of a Hugging Face Llama key."""
-    if key in _OTHER:
-        return _OTHER[key]
-    _, _, layer, *rest = key.split(".")
-    return f"blk.{layer}.{_GGUF_NAMES['.'.join(rest[:-1])]}.weight"
+    """llama.cpp's tensor name of a Hugging Face Llama key (attnquant-core's mapping)."""
+    return gguf_tensor_name(key)
 
 
 def hf_name(name: str) -> str:
     """The Hugging Face key of a llama.cpp tensor name (:func:`gguf_name` inverted)."""
-    inverse = {v: k for k, v in _OTHER.items()}
-    if name in inverse:
-        return inverse[name]
-    _, layer, short, _ = name.split(".")
-    module = {v: k for k, v in _GGUF_NAMES.items()}[short]
-    return f"model.layers.{layer}.{module}.weight"
+    return hf_tensor_key(name, "llama")
 
 
 def _layer_order(key: str) -> tuple[int, str]:

@@ -36,6 +36,8 @@ from ._gguf import (
     export_gguf,
     gguf_source,
     gguf_state,
+    gguf_tensor_name,
+    hf_tensor_key,
     import_gguf,
     permute_rope,
 )
@@ -90,6 +92,8 @@ __all__ = [
     "export_gguf",
     "gguf_source",
     "gguf_state",
+    "gguf_tensor_name",
+    "hf_tensor_key",
     "import_gguf",
     "permute_rope",
     # safetensors files

@@ -19,14 +19,16 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._atomic import atomic_directory
+from ._atomic import atomic_directory, write_atomic
+from ._checkpoint import read_tensor_directory
 from ._gguf_meta import (
     _BLOCK,
     _SUFFIXES,
@@ -53,6 +55,8 @@ __all__ = [
     "gguf_source",
     "gguf_state",
     "import_gguf",
+    "gguf_tensor_name",
+    "hf_tensor_key",
     "permute_rope",
 ]
 
@@ -167,9 +171,8 @@ def dequantize_gguf(path: Path, out: Path) -> Path:
     layout), so llama.cpp's own tools quantize exactly the model :func:`import_gguf` imports."""
     gguf = _gguf()
     src = _open(path)
-    out = Path(out)
-    tmp = out.with_name(f".tmp-{out.name}")
-    try:
+
+    def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), src.arch)
         for field in src.reader.fields.values():
             if field.name.startswith("GGUF.") or field.name == "general.architecture":
@@ -182,14 +185,18 @@ def dequantize_gguf(path: Path, out: Path) -> Path:
             W = gguf.quants.dequantize(t.data, t.tensor_type)
             W = np.asarray(W, np.float32).reshape([int(d) for d in reversed(t.shape)])
             writer.add_tensor(t.name, np.ascontiguousarray(W))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+        _finish(writer)
+
+    write_atomic(Path(out), write)
+    return Path(out)
+
+
+def _finish(writer: Any) -> None:
+    """Write a ``GGUFWriter``'s header, metadata and tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def import_gguf(
@@ -243,9 +250,7 @@ def import_gguf(
         for name, text in side.items():
             (tmp / name).write_text(text, encoding="utf-8")
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    counts: dict[str, int] = {}
-    for t in types.values():
-        counts[t] = counts.get(t, 0) + 1
+    counts = Counter(types.values())
     return {
         "architecture": src.arch,
         "hf_architecture": GGUF_ARCHITECTURES[src.arch],
@@ -271,22 +276,8 @@ def gguf_source(checkpoint: Path) -> dict[str, Any] | None:
 # --- export: a Hugging Face Llama as a float32 GGUF --------------------------------------------
 
 
-def _hf_tensors(checkpoint: Path) -> Iterable[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
-
-    index = checkpoint / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.exists()
-        else ["model.safetensors"]
-    )
-    for name in files:
-        with safe_open(checkpoint / name, "numpy") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-
-
-def _gguf_name(key: str) -> str:
+def gguf_tensor_name(key: str) -> str:
+    """llama.cpp's tensor name of a Hugging Face Llama key (:func:`hf_tensor_key` inverted)."""
     top = {f"{v}.{s}": f"{k}.{s}" for k, v in _TOP.items() for s in _SUFFIXES}
     if key in top:
         return top[key]
@@ -295,6 +286,12 @@ def _gguf_name(key: str) -> str:
     if m is None or m.group(2) not in inverse:
         raise GGUFError(f"{key}: no llama.cpp name for this Llama tensor")
     return f"blk.{m.group(1)}.{inverse[m.group(2)]}.{m.group(3)}"
+
+
+def hf_tensor_key(name: str, arch: str = "llama") -> str:
+    """The Hugging Face key of a llama.cpp tensor name in an ``arch`` model, or a
+    :class:`GGUFError` naming it."""
+    return _hf_key(name, arch)
 
 
 def export_gguf(checkpoint: Path, out: Path) -> Path:
@@ -308,8 +305,12 @@ def export_gguf(checkpoint: Path, out: Path) -> Path:
     if cfg.get("model_type", "llama") not in ("llama", "mistral"):
         raise GGUFError(f"{checkpoint}: export_gguf writes Llama models, not {cfg['model_type']!r}")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    tmp = out.with_name(f".tmp-{out.name}")
-    try:
+    files, _ = read_tensor_directory(checkpoint)
+    keys = [
+        k for k in files.keys() if not (cfg.get("tie_word_embeddings") and k == "lm_head.weight")
+    ]
+
+    def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), "llama")
         writer.add_name(checkpoint.name)
         writer.add_context_length(cfg["max_position_embeddings"])
@@ -327,21 +328,14 @@ def export_gguf(checkpoint: Path, out: Path) -> Path:
         writer.add_vocab_size(cfg["vocab_size"])
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         _export_tokenizer(writer, checkpoint, cfg)
-        tensors = dict(_hf_tensors(checkpoint))
-        if cfg.get("tie_word_embeddings") and "lm_head.weight" in tensors:
-            del tensors["lm_head.weight"]
-        for key in sorted(tensors, key=_layer_order):
-            W = tensors[key].astype(np.float32)
+        for key in sorted(keys, key=_layer_order):
+            W = files.get(key).astype(np.float32)
             if key.endswith("q_proj.weight"):
                 W = permute_rope(W, heads)
             elif key.endswith("k_proj.weight"):
                 W = permute_rope(W, kv_heads)
-            writer.add_tensor(_gguf_name(key), np.ascontiguousarray(W))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
+            writer.add_tensor(gguf_tensor_name(key), np.ascontiguousarray(W))
+        _finish(writer)
+
+    write_atomic(out, write)
     return out

@@ -101,10 +101,7 @@ class _Fields:
 
     def get(self, name: str, default: Any = None) -> Any:
         field = self._fields.get(name)
-        if field is None:
-            return default
-        value = field.contents()
-        return value
+        return default if field is None else field.contents()
 
     def need(self, name: str) -> Any:
         if name not in self._fields:

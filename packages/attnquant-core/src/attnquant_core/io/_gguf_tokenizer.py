@@ -70,32 +70,35 @@ def _added(tokens: list[str], types: list[int], normalized: bool) -> list[dict]:
 
 
 def _bos_processor(fields: _Fields, tokens: list[str]) -> dict | None:
-    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False))
-    bos, eos = fields.get("tokenizer.ggml.bos_token_id"), fields.get("tokenizer.ggml.eos_token_id")
-    single, pair, special = [], [], {}
-    if add_bos and bos is not None:
-        single.append({"SpecialToken": {"id": tokens[int(bos)], "type_id": 0}})
-        special[tokens[int(bos)]] = {
-            "id": tokens[int(bos)],
-            "ids": [int(bos)],
-            "tokens": [tokens[int(bos)]],
-        }
-    single.append({"Sequence": {"id": "A", "type_id": 0}})
-    if add_eos and eos is not None:
-        single.append({"SpecialToken": {"id": tokens[int(eos)], "type_id": 0}})
-        special[tokens[int(eos)]] = {
-            "id": tokens[int(eos)],
-            "ids": [int(eos)],
-            "tokens": [tokens[int(eos)]],
-        }
-    if not special:
+    """A ``TemplateProcessing`` adding BOS and EOS where the file says, or ``None``."""
+    ends = {}
+    for end in ("bos", "eos"):
+        i = fields.get(f"tokenizer.ggml.{end}_token_id")
+        if fields.get(f"tokenizer.ggml.add_{end}_token", False) and i is not None:
+            ends[end] = {"id": tokens[int(i)], "ids": [int(i)], "tokens": [tokens[int(i)]]}
+    if not ends:
         return None
-    pair = [
-        *single,
-        *[{"Sequence": {"id": "B", "type_id": 1}} if "Sequence" in s else s for s in single],
-    ]
-    return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special}
+
+    def around(seq: str, type_id: int) -> list[dict]:
+        body = [{"Sequence": {"id": seq, "type_id": type_id}}]
+        bos = (
+            [{"SpecialToken": {"id": ends["bos"]["id"], "type_id": type_id}}]
+            if "bos" in ends
+            else []
+        )
+        eos = (
+            [{"SpecialToken": {"id": ends["eos"]["id"], "type_id": type_id}}]
+            if "eos" in ends
+            else []
+        )
+        return bos + body + eos
+
+    return {
+        "type": "TemplateProcessing",
+        "single": around("A", 0),
+        "pair": around("A", 0) + around("B", 1),
+        "special_tokens": {e["id"]: e for e in ends.values()},
+    }
 
 
 def _bpe_tokenizer(fields: _Fields) -> dict:
