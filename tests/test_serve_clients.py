@@ -5,7 +5,8 @@ client: log-likelihood (token-id prompts, ``echo``, ``logprobs: 1``, ``max_token
 lists of prompts) checked position by position against the numpy forward of the demo, and
 generate-until (``stop``, ``seed``, ``max_tokens``). Then ``n``, streams, chat, the tokenizer
 routes, and hostile JSON bodies (hypothesis): every answer is a 200 or a 4xx, and the server
-answers after each.
+answers after each. Raw answers and stream chunks (httpx, not the lenient client) are checked
+against the openai package's own types, log-probabilities null unless asked.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from attnquant_core.io import open_checkpoint
 from attnquant_core.llama_reference import llama_logits
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")  # openai's own HTTP client
 
 pytestmark = [
     pytest.mark.slow,
@@ -169,6 +171,168 @@ def test_requests_that_would_have_killed_max_are_refused(server):
         assert status == 400, answer
         assert needle in answer["error"]["message"]
     assert _raw(server, "/health", None, method="GET")[0] == 200
+
+
+def _json(server, path: str, body: dict) -> dict:
+    """A non-streamed answer's raw JSON (a 200 asserted)."""
+    response = httpx.post(server.url.removesuffix("/v1") + path, json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _chunks(server, path: str, body: dict) -> list[dict]:
+    """A stream's events as raw JSON, in order; it must end with ``[DONE]``."""
+    url = server.url.removesuffix("/v1") + path
+    events, done = [], False
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=600) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                assert not done, "an event after [DONE]"
+                data = line[5:].strip()
+                done = data == "[DONE]"
+                if not done:
+                    events.append(json.loads(data))
+    assert done
+    return events
+
+
+def _echoed_completion(answer: dict) -> openai.types.Completion:
+    """An echo answer validated as ``openai.types.Completion``. OpenAI's own API gives the first
+    echoed token a null log-probability (it has no context), in ``token_logprobs`` and in
+    ``top_logprobs``, which its generated types (List[float], List[Dict[str, float]]) do not
+    declare: those two entries alone are checked to be null and stood in for before validating."""
+    answer = json.loads(json.dumps(answer))
+    for choice in answer["choices"]:
+        logprobs = choice["logprobs"]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        logprobs["token_logprobs"][0], logprobs["top_logprobs"][0] = 0.0, {}
+    return openai.types.Completion.model_validate(answer)
+
+
+def _completion_chunks(chunks: list[dict]) -> list[openai.types.Completion]:
+    """A completions stream validated chunk by chunk as ``openai.types.Completion``. OpenAI's own
+    streams send ``finish_reason: null`` until a choice's last chunk, which that type (shared with
+    non-streamed answers, where it is required) does not declare; the client builds chunks without
+    validating. So each choice must have one non-null ``finish_reason``, on its last chunk, and
+    the nulls before it alone are stood in for before validating."""
+    chunks = json.loads(json.dumps(chunks))
+    last = {c["index"]: (k, c) for k, chunk in enumerate(chunks) for c in chunk["choices"]}
+    for k, chunk in enumerate(chunks):
+        for choice in chunk["choices"]:
+            if (k, choice) == last[choice["index"]]:
+                assert choice["finish_reason"] in ("stop", "length"), choice
+            else:
+                assert choice["finish_reason"] is None, choice
+                choice["finish_reason"] = "length"
+    return [openai.types.Completion.model_validate(chunk) for chunk in chunks]
+
+
+def _check_tokens(choice: dict, text: str) -> None:
+    """``tokens`` and ``text_offset`` as long as ``token_logprobs``; each token found at its
+    offset in ``text`` (one that is not a whole character alone is not looked for)."""
+    logprobs = choice["logprobs"]
+    size = len(logprobs["token_logprobs"])
+    assert size > 0
+    assert len(logprobs["tokens"]) == len(logprobs["text_offset"]) == len(logprobs["top_logprobs"])
+    assert len(logprobs["tokens"]) == size
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
+        assert 0 <= offset <= len(text)
+        if "\ufffd" not in token and not (token.startswith("<|") and token.endswith("|>")):
+            assert text[offset:].startswith(token), (token, offset, text)
+
+
+GREEDY = {"model": "demo", "temperature": 0, "seed": 1234}
+CHAT = {**GREEDY, "messages": [{"role": "user", "content": "Write a function."}]}
+
+
+def test_answers_are_openai_types_with_null_logprobs_unless_asked(server):
+    answer = _json(server, "/v1/completions", {**GREEDY, "prompt": "def ", "max_tokens": 4})
+    openai.types.Completion.model_validate(answer)
+    assert answer["choices"][0]["logprobs"] is None
+    assert {"token_ids", "prompt_token_ids"}.isdisjoint(answer["choices"][0])
+    cut = _json(server, "/v1/completions", {**GREEDY, "prompt": "def ", "stop": "\n", "n": 2})
+    openai.types.Completion.model_validate(cut)
+    assert all(c["logprobs"] is None for c in cut["choices"])
+    chat = _json(server, "/v1/chat/completions", {**CHAT, "max_tokens": 4})
+    openai.types.chat.ChatCompletion.model_validate(chat)
+    assert chat["choices"][0]["logprobs"] is None
+    assert chat["choices"][0]["message"]["refusal"] is None
+    asked = _json(server, "/v1/chat/completions", {**CHAT, "max_tokens": 4, "logprobs": True})
+    openai.types.chat.ChatCompletion.model_validate(asked)
+    assert len(asked["choices"][0]["logprobs"]["content"]) == 4
+    assert asked["choices"][0]["logprobs"]["refusal"] is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"stream_options": {"include_usage": True}},  # one choice, no stop: MAX's own events
+        {},
+        {"n": 2, "stop": "\n", "stream_options": {"include_usage": True}},
+    ],
+)
+def test_streams_are_openai_chunks_with_null_logprobs_unless_asked(server, fields):
+    body = {**GREEDY, "max_tokens": 6, **fields}
+    chunks = _chunks(server, "/v1/completions", {**body, "prompt": "def "})
+    _completion_chunks(chunks)
+    for chunk in chunks:
+        assert all(c["logprobs"] is None for c in chunk["choices"])
+        assert all({"token_ids", "prompt_token_ids"}.isdisjoint(c) for c in chunk["choices"])
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert len(usage) == (1 if "stream_options" in fields else 0)
+    if usage:
+        assert usage[0]["prompt_tokens"] > 0 and chunks[-1]["choices"] == []
+    chat = _chunks(server, "/v1/chat/completions", {**CHAT, **body})
+    for chunk in chat:
+        openai.types.chat.ChatCompletionChunk.model_validate(chunk)
+        assert all(c["logprobs"] is None for c in chunk["choices"])
+    asked = _chunks(server, "/v1/chat/completions", {**CHAT, **body, "logprobs": True})
+    for chunk in asked:
+        openai.types.chat.ChatCompletionChunk.model_validate(chunk)
+        for choice in chunk["choices"]:
+            assert choice.get("logprobs") is None or choice["logprobs"]["refusal"] is None
+    assert any(c["logprobs"] and c["logprobs"]["content"] for k in asked for c in k["choices"])
+
+
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_completion_logprobs_carry_tokens_and_text_offsets(server, logprobs):
+    body = {**GREEDY, "prompt": "def ", "max_tokens": 8, "logprobs": logprobs}
+    answer = _json(server, "/v1/completions", body)
+    choice = openai.types.Completion.model_validate(answer).choices[0]
+    _check_tokens(answer["choices"][0], choice.text)
+    assert choice.logprobs.text_offset[0] == 0
+    assert "".join(choice.logprobs.tokens) == choice.text  # ASCII code: each token whole
+    tops = choice.logprobs.top_logprobs
+    assert all(len(t) <= logprobs + 1 for t in tops) and all(len(t) >= 1 for t in tops)
+    tokens, offsets = [], []
+    for chunk in _completion_chunks(_chunks(server, "/v1/completions", body)):
+        for c in chunk.choices:
+            tokens += c.logprobs.tokens if c.logprobs else []
+            offsets += c.logprobs.text_offset if c.logprobs else []
+    assert (tokens, offsets) == (choice.logprobs.tokens, choice.logprobs.text_offset)
+    cut = _json(server, "/v1/completions", {**body, "max_tokens": 32, "stop": "\n"})
+    cut_choice = openai.types.Completion.model_validate(cut).choices[0]
+    _check_tokens(cut["choices"][0], cut_choice.text)
+    assert all(offset < len(cut_choice.text) for offset in cut_choice.logprobs.text_offset)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+@pytest.mark.parametrize("prompt", ["def main():\n    return 1", CONTEXT])
+def test_echoed_logprobs_carry_tokens_and_text_offsets_from_the_prompt_on(
+    server, prompt, max_tokens
+):
+    body = {**GREEDY, "prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1}
+    answer = _json(server, "/v1/completions", body)
+    choice = _echoed_completion(answer).choices[0]
+    _check_tokens(answer["choices"][0], choice.text)
+    assert choice.logprobs.text_offset[0] == 0
+    size = answer["usage"]["prompt_tokens"] + max_tokens
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == size
+    if isinstance(prompt, str):  # its <|bos|> is not in the text: at 0, as the next token
+        assert choice.logprobs.tokens[0] == "<|bos|>" and choice.logprobs.text_offset[1] == 0
+        assert choice.text.startswith(prompt)
 
 
 VALUES = st.one_of(

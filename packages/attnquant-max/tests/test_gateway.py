@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +18,16 @@ from attnquant_max.gateway import (
     fix_completion,
     merge_responses,
 )
-from attnquant_max.gateway._rewrite import parse_sse, sse, sum_usage
+from attnquant_max.gateway._rewrite import (
+    StreamTokens,
+    TextOffsets,
+    fix_chat,
+    fix_chat_choice,
+    keep_tokens,
+    parse_sse,
+    sse,
+    sum_usage,
+)
 
 FACTS = ModelFacts(name="m", vocab_size=100, max_length=64, echo=True)
 NO_ECHO = ModelFacts(name="m", vocab_size=100, max_length=64, echo=False)
@@ -44,8 +54,9 @@ def _scan(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
 
 
 def _first_stop(text: str, stops: list[str]) -> int:
-    found = [p for p in (text.find(s) for s in stops) if p >= 0]
-    return min(found) if found else -1
+    """Where the stop that ends first begins (generation stops there), or -1."""
+    found = [(p + len(s), p) for s in stops if (p := text.find(s)) >= 0]
+    return min(found)[1] if found else -1
 
 
 @settings(max_examples=300, deadline=None)
@@ -59,6 +70,12 @@ def test_stop_scanner_cuts_before_the_first_stop_however_the_text_is_split(stops
     cut = _first_stop(text, stops)
     assert stopped == (cut >= 0)
     assert out == (text[:cut] if cut >= 0 else text)
+
+
+def test_stop_scanner_cuts_at_the_stop_that_ends_first():
+    """Hypothesis found this split-dependent: "a" ends before "\na\n" completes."""
+    assert _scan(["a", "\na\n"], ["\na", "\n"]) == ("\n", True)
+    assert _scan(["a", "\na\n"], ["\na\n"]) == ("\n", True)
 
 
 def test_stop_scanner_holds_back_only_a_possible_stop_start():
@@ -280,3 +297,277 @@ def test_collected_choice_keeps_log_probabilities_asked_for_with_logprobs_0():
     asked = _choice(_completion(logprobs=0, stop="\n"), 0, "x", "stop", stream)
     assert asked["logprobs"]["token_logprobs"] == [-1.5]
     assert _choice(_completion(stop="\n"), 0, "x", "stop", stream)["logprobs"] is None
+
+
+# -- log-probabilities: null unless asked, tokens and text_offset when asked ---------------------
+
+#: A byte-level vocabulary: "€" is two tokens (5, 6), neither a character alone.
+PIECES = {0: b"<s>", 1: b"def", 2: b" f", 3: b"(", 4: b"x", 5: b"\xe2\x82", 6: b"\xac", 7: b"\n"}
+
+
+def _decode(ids: list[int]) -> str:
+    return b"".join(PIECES[i] for i in ids).decode("utf-8", "replace")
+
+
+def _max_completion(text, ids, prompt_ids, token_logprobs, tops=None):
+    """A MAX 26.7 completions answer with ``return_token_ids``; no logprobs asked by default."""
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "finish_reason": "length",
+                "logprobs": {
+                    "text_offset": None,
+                    "token_logprobs": token_logprobs,
+                    "tokens": None,
+                    "top_logprobs": tops if tops is not None else [{} for _ in token_logprobs],
+                },
+                "token_ids": ids,
+                "prompt_token_ids": prompt_ids,
+            }
+        ],
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids)},
+    }
+
+
+MAX_CHAT = {
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "length",
+            "logprobs": {"content": [], "refusal": []},
+            "message": {"role": "assistant", "content": "hi", "refusal": ""},
+        }
+    ]
+}
+
+
+def _chat_plan(**fields):
+    return check_chat(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}, FACTS
+    )
+
+
+def test_logprobs_not_asked_are_null_in_completions_and_chat():
+    plan = _completion(max_tokens=2)
+    assert not plan.logprobs and "return_token_ids" not in plan.body
+    choice = fix_completion(_max_completion("(x", [3, 4], [0, 1], []), plan, _decode)["choices"][0]
+    assert choice["logprobs"] is None
+    assert "token_ids" not in choice and "prompt_token_ids" not in choice
+    chat = fix_chat(json.loads(json.dumps(MAX_CHAT)), _chat_plan())["choices"][0]
+    assert chat["logprobs"] is None and chat["message"]["refusal"] is None
+
+
+def test_chat_logprobs_asked_keep_content_and_have_a_null_refusal():
+    answer = json.loads(json.dumps(MAX_CHAT))
+    answer["choices"][0]["logprobs"]["content"] = [{"token": "hi", "logprob": -1.0}]
+    chat = fix_chat(answer, _chat_plan(logprobs=True))["choices"][0]
+    assert chat["logprobs"] == {"content": [{"token": "hi", "logprob": -1.0}], "refusal": None}
+    assert chat["message"]["refusal"] is None
+
+
+def test_stream_chunks_have_null_logprobs_unless_asked():
+    chunk = {"index": 0, "text": "(", "logprobs": {"token_logprobs": [], "top_logprobs": []}}
+    chunk |= {"token_ids": [3], "prompt_token_ids": [0, 1]}
+    StreamTokens(_decode).fill(chunk, _completion(stream=True))
+    assert chunk == {"index": 0, "text": "(", "logprobs": None}
+    delta = {"index": 0, "delta": {"content": "hi"}}  # MAX leaves logprobs out of chat chunks
+    fix_chat_choice(delta, _chat_plan(stream=True))
+    assert delta["logprobs"] is None
+    asked = {"index": 0, "delta": {"content": "hi"}, "logprobs": {"content": [], "refusal": []}}
+    fix_chat_choice(asked, _chat_plan(stream=True, logprobs=True))
+    assert asked["logprobs"] == {"content": [], "refusal": None}
+
+
+def test_completion_logprobs_get_tokens_and_offsets_into_the_completion_text():
+    """Without echo the prompt is decoded only as context: offsets start at 0 in the new text,
+    and the two halves of "€" share the character's offset."""
+    plan = _completion(prompt="def f", logprobs=1, max_tokens=4)
+    assert plan.body["return_token_ids"] is True
+    answer = _max_completion("(x€", [3, 4, 5, 6], [0, 1, 2], [-1.0, -2.0, -3.0, -4.0])
+    choice = fix_completion(answer, plan, _decode)["choices"][0]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["(", "x", "\ufffd", "\ufffd"]
+    assert logprobs["text_offset"] == [0, 1, 2, 2]
+    assert logprobs["token_logprobs"] == [-1.0, -2.0, -3.0, -4.0]
+    assert "token_ids" not in choice and "prompt_token_ids" not in choice
+
+
+def test_echo_offsets_start_at_the_prompt_and_skip_a_bos_the_text_does_not_show():
+    plan = _completion(prompt="def f", echo=True, logprobs=1, max_tokens=1)
+    answer = _max_completion("(", [3], [0, 1, 2], [-1.0, -2.0, -3.0])  # MAX: no first entry
+    choice = fix_completion(answer, plan, _decode)["choices"][0]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == "def f("
+    assert logprobs["tokens"] == ["<s>", "def", " f", "("]
+    assert logprobs["text_offset"] == [0, 0, 3, 5]
+    assert logprobs["token_logprobs"] == [None, -1.0, -2.0, -3.0]
+    assert all(len(logprobs[k]) == 4 for k in ("tokens", "text_offset", "top_logprobs"))
+
+
+def test_echo_with_max_tokens_0_drops_the_extra_token_from_every_list():
+    plan = _completion(prompt=[[1, 2]], echo=True, logprobs=1, max_tokens=0)
+    answer = _max_completion("(", [3], [1, 2], [-1.0, -2.0])
+    choice = fix_completion(answer, plan, _decode)["choices"][0]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == "def f"
+    assert logprobs == {
+        "text_offset": [0, 3],
+        "token_logprobs": [None, -1.0],
+        "tokens": ["def", " f"],
+        "top_logprobs": [None, {}],
+    }
+
+
+def test_logprobs_0_asks_max_for_1_and_keeps_the_sampled_token_alone():
+    """MAX 26.7 returns no log-probabilities at all for ``logprobs: 0``."""
+    plan = _completion(logprobs=0, max_tokens=1)
+    assert plan.body["logprobs"] == 1 and plan.sampled_only
+    answer = _max_completion("x", [4], [0], [-2.0], tops=[{"(": -0.5, "x": -2.0}])
+    logprobs = fix_completion(answer, plan, _decode)["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] == [{"x": -2.0}] and logprobs["tokens"] == ["x"]
+
+
+def test_streamed_offsets_count_from_the_start_of_the_whole_completion():
+    plan = _completion(prompt="def f", logprobs=1, stream=True)
+    track = StreamTokens(_decode)
+    offsets = []
+    for k, ids in enumerate([[3], [4], [5], [6]]):
+        chunk = {"index": 0, "text": "", "token_ids": ids, "logprobs": {"token_logprobs": [-1.0]}}
+        if k == 0:
+            chunk["prompt_token_ids"] = [0, 1, 2]
+        track.fill(chunk, plan)
+        assert "token_ids" not in chunk and "prompt_token_ids" not in chunk
+        offsets += chunk["logprobs"]["text_offset"]
+    assert offsets == [0, 1, 2, 2]
+
+
+def test_text_offsets_match_the_decoded_prefix_of_real_text():
+    """On text that decodes whole, each offset is the length of what the tokens before decode to."""
+    ids = [1, 2, 3, 5, 6, 4, 7]
+    offsets = TextOffsets(_decode).feed(ids)
+    assert offsets[:4] == [len(_decode(ids[:k])) for k in range(4)]
+    assert offsets[4] == offsets[3]  # the second half of "€"
+    assert offsets[5:] == [len(_decode(ids[:k])) for k in (5, 6)]
+
+
+def test_a_stop_keeps_only_the_tokens_inside_the_returned_text():
+    logprobs = {"tokens": ["(", "x", "\n"], "text_offset": [0, 1, 2]}
+    logprobs |= {"token_logprobs": [-1.0, -2.0, -3.0], "top_logprobs": [{}, {}, {}]}
+    keep_tokens(logprobs, 2)
+    assert logprobs == {
+        "tokens": ["(", "x"],
+        "text_offset": [0, 1],
+        "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": [{}, {}],
+    }
+    untouched = {"token_logprobs": [-1.0]}
+    keep_tokens(untouched, 0)  # no offsets (no ids from MAX): nothing to cut by
+    assert untouched == {"token_logprobs": [-1.0]}
+
+
+def test_collected_chat_choice_has_null_refusals():
+    from attnquant_max.gateway._app import _choice
+
+    choice = _choice(_chat_plan(logprobs=True, stop="\n"), 0, "x", "stop", {"content": []})
+    assert choice["message"]["refusal"] is None and choice["logprobs"]["refusal"] is None
+    assert _choice(_chat_plan(stop="\n"), 0, "x", "stop", {})["logprobs"] is None
+
+
+# -- streams: every one rewritten; one choice without stops keeps MAX's events -----------------
+
+
+class _FakeStream:
+    """What :class:`aiohttp.ClientResponse` gives ``_events``: its lines, then close."""
+
+    def __init__(self, events: list[dict | str]) -> None:
+        self.lines = [line for e in events for line in sse(e).splitlines(keepends=True)]
+        self.closed = False
+
+    @property
+    def content(self):
+        async def lines():
+            for line in self.lines:
+                yield line
+
+        return lines()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _streamed(plan, events: list[dict | str]) -> list[dict | str]:
+    import asyncio
+
+    from attnquant_max.gateway._app import Gateway
+
+    tokenizer = SimpleNamespace(decode=_decode)  # all a stream's rewrite asks of a tokenizer
+    gateway = Gateway(None, FACTS, tokenizer)
+    stream = _FakeStream(events)
+
+    async def run() -> list[bytes]:
+        return [chunk async for chunk in gateway._merged(plan, [stream])]
+
+    out = [line.decode() for line in asyncio.run(run())]
+    assert stream.closed
+    return [data if data == "[DONE]" else json.loads(data) for data in (o[6:-2] for o in out)]
+
+
+USAGE = {
+    "prompt_tokens": 3,
+    "completion_tokens": 1,
+    "total_tokens": 4,
+    "prompt_tokens_details": {"cached_tokens": 0},
+}
+
+
+def test_one_stream_keeps_max_events_and_usage_with_logprobs_nulled():
+    plan = _completion(stream=True, stream_options={"include_usage": True})
+    empty = {"text_offset": None, "token_logprobs": [], "tokens": None, "top_logprobs": []}
+    chunk = {"id": "a", "object": "text_completion", "usage": None, "choices": []}
+    chunk["choices"] = [{"index": 0, "text": "(", "logprobs": empty, "finish_reason": "length"}]
+    tail = {"id": "a", "object": "text_completion", "choices": [], "usage": USAGE}
+    got = _streamed(plan, [chunk, tail, "[DONE]"])
+    want = json.loads(json.dumps(chunk))
+    want["choices"][0]["logprobs"] = None
+    assert got == [want, tail, "[DONE]"]  # usage as MAX counted it, details included
+
+
+def test_one_stream_without_usage_asked_and_an_error_event_ending_it():
+    plan = _chat_plan(stream=True)
+    chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "h"}}]}
+    error = {"error": {"code": "500", "message": "Internal server error.", "param": "", "type": ""}}
+    got = _streamed(plan, [chunk, error])
+    nulled = {"index": 0, "delta": {"content": "h"}, "logprobs": None}
+    assert got == [{"id": "c", "choices": [nulled]}, error]  # no [DONE] after an error, as MAX
+    assert _streamed(plan, [chunk, "[DONE]"])[-1] == "[DONE]"
+
+
+def test_a_stream_error_becomes_the_collected_answer_status():
+    from attnquant_max.gateway._app import _UpstreamError
+
+    error = {"error": {"code": "400", "message": "bad", "param": "", "type": ""}}
+    assert _UpstreamError.of_event(error).status == 400
+    assert _UpstreamError.of_event({"error": {"code": ""}}).status == 500
+
+
+def test_a_streamed_stop_drops_the_tokens_past_it():
+    plan = _completion(prompt="def f", logprobs=1, stop="x", stream=True)
+
+    def chunk(text, ids, **more):
+        logprobs = {"token_logprobs": [-1.0] * len(ids), "top_logprobs": [{}] * len(ids)}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "token_ids": ids, **more}
+        return {"id": "a", "choices": [choice]}
+
+    got = _streamed(plan, [chunk("(", [3], prompt_token_ids=[0, 1, 2]), chunk("x\n", [4, 7])])
+    first, cut, done = got
+    assert first["choices"][0]["logprobs"]["tokens"] == ["("]
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["choices"][0]["text"] == ""
+    assert cut["choices"][0]["logprobs"] == {
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "tokens": [],
+        "text_offset": [],
+    }
+    assert done == "[DONE]"

@@ -1,6 +1,7 @@
 """The OpenAI-compatible front of ``attnquant serve``: checks every request, serves what MAX
-does not (``n``, stop sequences, echo's text, ``max_tokens: 0``, lm-eval's tokenizer routes),
-and supervises the MAX model server behind it (docs: ``docs/serving.md``).
+does not (``n``, stop sequences, echo's text, ``max_tokens: 0``, log-probabilities as OpenAI's,
+lm-eval's tokenizer routes), and supervises the MAX model server behind it (docs:
+``docs/serving.md``).
 
 One request must never take the server down: a request MAX could not survive is refused with
 a 4xx before it gets there, and a MAX server that dies anyway is restarted with back-off while

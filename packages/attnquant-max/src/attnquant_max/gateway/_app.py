@@ -24,9 +24,14 @@ from starlette.routing import Route
 
 from ._backend import Backend
 from ._rewrite import (
+    LISTS,
     StopScanner,
+    StreamTokens,
     choice_text,
+    fix_chat,
+    fix_chat_choice,
     fix_completion,
+    keep_tokens,
     merge_responses,
     parse_sse,
     set_choice_text,
@@ -66,6 +71,13 @@ class _UpstreamError(Exception):
 
     def response(self) -> Response:
         return Response(self.body, status_code=self.status, media_type="application/json")
+
+    @classmethod
+    def of_event(cls, event: dict[str, Any]) -> _UpstreamError:
+        """An error event of MAX's stream (``{"error": {"code": "500", ...}}``) as a response."""
+        code = str((event.get("error") or {}).get("code") or "")
+        status = int(code) if code.isdigit() and 400 <= int(code) < 600 else 500
+        return cls(status, json.dumps(event).encode())
 
 
 class Gateway:
@@ -190,12 +202,16 @@ class Gateway:
                 answers = await asyncio.gather(
                     *(self._post(path, plan.body_for(j)) for j in range(plan.n))
                 )
+                answers = [
+                    fix_completion(a, plan, self.tokenizer.decode)
+                    if plan.kind == "completion"
+                    else fix_chat(a, plan)
+                    for a in answers
+                ]
         except RequestError as exc:
             return _error(exc)
         except _UpstreamError as exc:
             return exc.response()
-        if plan.kind == "completion":
-            answers = [fix_completion(a, plan, self.tokenizer.decode) for a in answers]
         return JSONResponse(merge_responses(list(answers), plan.n))
 
     # -- streams --------------------------------------------------------------------------
@@ -217,27 +233,45 @@ class Gateway:
         return response
 
     async def _events(
-        self, plan: RequestPlan, response: aiohttp.ClientResponse, j: int
+        self,
+        plan: RequestPlan,
+        response: aiohttp.ClientResponse,
+        j: int,
+        stopped: set[int] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """MAX's stream ``j`` as events with stops applied and indices made ``i * n + j``;
-        closed as soon as every choice in it has met a stop."""
+        """MAX's stream ``j`` as events with stops applied, log-probabilities rewritten and
+        indices made ``i * n + j``; closed as soon as every choice in it has met a stop (each
+        ``i`` then added to ``stopped``), or after an error event, the last one yielded."""
         count = len(plan.prompts) if plan.kind == "completion" else 1
         scanners = [StopScanner(plan.stop) for _ in range(count)]
+        tracks = [StreamTokens(self.tokenizer.decode) for _ in range(count)]
         lines = _lines(response)
         try:
             async for line in lines:
                 event = parse_sse(line)
                 if event is None:
                     continue
+                if "error" in event:
+                    yield event
+                    return
                 choices = []
                 for choice in event.get("choices") or []:
                     i = int(choice.get("index", 0))
                     scanner = scanners[i] if i < count else StopScanner(())
                     if scanner.done:
                         continue
-                    text, stopped = scanner.feed(choice_text(plan.kind, choice))
-                    if stopped:
+                    if plan.kind == "chat":
+                        fix_chat_choice(choice, plan)
+                    else:
+                        (tracks[i] if i < count else StreamTokens(self.tokenizer.decode)).fill(
+                            choice, plan
+                        )
+                    text, stop = scanner.feed(choice_text(plan.kind, choice))
+                    if stop:
                         choice["finish_reason"] = "stop"
+                        keep_tokens(choice.get("logprobs"), scanner.sent)
+                        if stopped is not None:
+                            stopped.add(i)
                     elif choice.get("finish_reason") is not None:
                         text += scanner.flush()
                         scanner.done = True
@@ -263,23 +297,14 @@ class Gateway:
             for response in responses:
                 response.close()
             raise
-        if plan.n == 1 and not plan.stop:
-            return StreamingResponse(self._raw(responses[0]), media_type="text/event-stream")
         return StreamingResponse(self._merged(plan, responses), media_type="text/event-stream")
-
-    async def _raw(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """MAX's stream passed through as it comes (one choice, no stop: nothing to rewrite)."""
-        try:
-            async for chunk in response.content.iter_any():
-                yield chunk
-        except aiohttp.ClientError:
-            yield sse(self._lost().body())
-        finally:
-            response.close()
 
     async def _merged(
         self, plan: RequestPlan, responses: list[aiohttp.ClientResponse]
     ) -> AsyncIterator[bytes]:
+        """The ``n`` streams as one, event by event (:meth:`_events`); an error event ends it, as
+        MAX ends its own. One stream without stops keeps MAX's events, usage included, as sent."""
+        whole = plan.n == 1 and not plan.stop
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         usages: list[dict[str, Any]] = []
 
@@ -301,9 +326,14 @@ class Gateway:
                 if event is None:
                     open_streams -= 1
                     continue
+                if "error" in event or whole:
+                    yield sse(event)
+                    if "error" in event:
+                        return
+                    continue
                 if event.get("usage"):
                     usages.append(event["usage"])
-                if event.get("choices") or "error" in event:
+                if event.get("choices"):
                     last = event
                     yield sse({k: v for k, v in event.items() if k != "usage"} | {"usage": None})
             if plan.include_usage and usages:
@@ -314,15 +344,19 @@ class Gateway:
                 task.cancel()
 
     async def _collect(self, plan: RequestPlan, j: int) -> dict[str, Any]:
-        """MAX's stream ``j`` gathered into a non-streamed response (stops applied)."""
+        """MAX's stream ``j`` gathered into a non-streamed response (stops applied). A completion
+        cut at a stop keeps the log-probabilities of the tokens that begin inside its text; a chat
+        keeps those of every token up to the chunk that held the stop."""
         response = await self._open(plan, j)
         count = len(plan.prompts) if plan.kind == "completion" else 1
         texts = [""] * count
         finish: list[str | None] = [None] * count
         logprobs: list[dict[str, list[Any]]] = [{} for _ in range(count)]
-        usage, head = None, {}
+        usage, head, stopped = None, {}, set[int]()
         try:
-            async for event in self._events(plan, response, 0):
+            async for event in self._events(plan, response, 0, stopped):
+                if "error" in event:
+                    raise _UpstreamError.of_event(event)
                 head = head or event
                 usage = event.get("usage") or usage
                 for choice in event["choices"]:
@@ -334,6 +368,8 @@ class Gateway:
                             logprobs[i].setdefault(key, []).extend(values)
         except (aiohttp.ClientError, ValueError):
             raise self._lost() from None
+        for i in stopped:
+            keep_tokens(logprobs[i], len(texts[i]))
         return {
             "id": head.get("id", ""),
             "object": "text_completion" if plan.kind == "completion" else "chat.completion",
@@ -366,19 +402,20 @@ async def _usage_tail(lines: AsyncIterator[str], wait_s: float = 1.0) -> dict[st
 
 def _choice(plan: RequestPlan, index: int, text: str, finish: str, logprobs: dict) -> dict:
     """A non-streamed choice; log-probabilities only when the request asked for them."""
-    asked = plan.body.get("logprobs") is not None and plan.body.get("logprobs") is not False
     if plan.kind == "completion":
         return {
             "index": index,
             "text": text,
             "finish_reason": finish,
-            "logprobs": {**logprobs, "tokens": None, "text_offset": None} if asked else None,
+            "logprobs": {k: logprobs.get(k, []) for k in LISTS} if plan.logprobs else None,
         }
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": {"role": "assistant", "content": text, "refusal": None},
         "finish_reason": finish,
-        "logprobs": {"content": logprobs.get("content", [])} if asked else None,
+        "logprobs": {"content": logprobs.get("content", []), "refusal": None}
+        if plan.logprobs
+        else None,
     }
 
 

@@ -81,6 +81,8 @@ class RequestPlan:
     stop: tuple[str, ...] = ()
     echo: bool = False  # completions: prepend the prompt to each choice's text
     prompt_logprobs: bool = False  # echo with logprobs: MAX returns them, realigned here
+    logprobs: bool = False  # asked for (else null in every answer)
+    sampled_only: bool = False  # completions' logprobs 0: MAX asked for 1, cut back here
     zero_tokens: bool = False  # max_tokens == 0: one token asked of MAX, then dropped
     prompts: list[str | list[int]] = field(default_factory=list)
 
@@ -320,6 +322,7 @@ def _plan(kind: str, body: dict[str, Any], stops: tuple[str, ...]) -> RequestPla
         stream=bool(body.get("stream")),
         include_usage=_stream_options(body),
         stop=stops,
+        logprobs=body.get("logprobs") is not None and body["logprobs"] is not False,  # 0 asks
     )
 
 
@@ -356,6 +359,10 @@ def check_completion(body: object, facts: ModelFacts) -> RequestPlan:
     plan.prompt_logprobs = echo and logprobs
     if not plan.prompt_logprobs:
         plan.body.pop("echo", None)  # the gateway prepends the prompt text itself
+    if logprobs:  # the ids give tokens and text_offset; MAX 26.7 returns none for logprobs 0
+        plan.body["return_token_ids"] = True
+        plan.sampled_only = plan.body["logprobs"] == 0
+        plan.body["logprobs"] = max(plan.body["logprobs"], 1)
     if body.get("max_tokens") == 0:
         if plan.stream or stops:
             raise RequestError("max_tokens 0 is served without stream and stop")
