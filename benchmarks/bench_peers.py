@@ -223,7 +223,13 @@ def tokenizer_parity(gguf_path: Path, texts: dict[str, tuple[str, np.ndarray]]) 
     return out
 
 
-def attnquant_rows(model: Path, label: str, stats: Path, budgets, tmp: Path) -> list[Row]:
+def attnquant_rows(
+    model: Path, label: str, stats: Path, budgets, tmp: Path, fixed: bool = True
+) -> list[Row]:
+    """attnquant's rows: passthrough, the fixed NVFP4 rows (unless ``fixed`` is false: a run
+    that adds budgets to an earlier one) and one ``--budget`` row per budget."""
+    if not fixed:
+        return [budget_row(model, label, stats, budget, tmp) for budget in budgets]
     out = tmp / "aq-passthrough"
     t0 = time.perf_counter()
     decompose_checkpoint(model, out, spec=DecomposeSpec(blocks="layers", rank=0), overwrite=True)
@@ -315,6 +321,11 @@ def main() -> None:
     )
     parser.add_argument("--no-parity", action="store_true", help="skip the tokenizer check")
     parser.add_argument(
+        "--budgets-only",
+        action="store_true",
+        help="of attnquant's rows, only the --budgets ones (rows added to an earlier run)",
+    )
+    parser.add_argument(
         "--gguf",
         type=Path,
         help="the GGUF that `attnquant import` made MODEL from: llama.cpp's rows quantize its "
@@ -354,7 +365,7 @@ def main() -> None:
         f"{time.perf_counter() - t0:.1f} s; held-out: {heldout.shape[0]} x {heldout.shape[1]}",
         flush=True,
     )
-    rows = attnquant_rows(model, label, report.path, args.budgets, tmp)
+    rows = attnquant_rows(model, label, report.path, args.budgets, tmp, not args.budgets_only)
 
     llama: dict = {}
     if args.llama:

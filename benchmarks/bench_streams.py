@@ -10,7 +10,8 @@ timed in ABBA pairs (:func:`attnquant_core.run_paired`, ``--settle`` idle second
 run so neither server's spinning threads slow the other's): attnquant / llama.cpp as the geometric
 mean of within-pair ratios with a bootstrap 95% interval, beside the machine's load.
 
-The model is the synthetic Llama of ``synthetic_llama.py`` (``--shape``), served by attnquant
+The model is the synthetic Llama of ``synthetic_llama.py`` (``--shape``), or a real Llama
+checkpoint (``--model DIR``, e.g. one ``attnquant import`` wrote), served by attnquant
 as ``--aq-args`` say (default: NVFP4 with its head and embedding table, attnquant's fastest
 4-bit decode, at fewer bytes than Q4_K_M) and by llama.cpp as its own ``llama-quantize`` made it
 (``--llamacpp``, default Q4_K_M).
@@ -128,6 +129,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="300m")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="a Hugging Face Llama checkpoint (a real model, e.g. one `attnquant import` made) "
+        "in place of the synthetic --shape",
+    )
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=40, help="words of each prompt")
@@ -148,10 +155,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MAX_SERVE_DISABLE_TELEMETRY", "1")
     work = args.work or Path(tempfile.mkdtemp(prefix="aq-bench-streams-"))
-    model = cached_synthetic(work, SHAPES[args.shape])
+    model = args.model.resolve() if args.model else cached_synthetic(work, SHAPES[args.shape])
     gguf = llamacpp.cached_gguf(model, work / "llamacpp", args.llamacpp)
     threads = os.cpu_count() or 1
-    results: dict[str, object] = {"shape": args.shape, "tokens": args.tokens,
+    results: dict[str, object] = {"shape": model.name if args.model else args.shape, "tokens": args.tokens,
                                   "aq_args": args.aq_args, "llamacpp": args.llamacpp,
                                   "streams": {}}  # fmt: skip
     max_length = 2 * args.prompt_words + args.tokens + 64

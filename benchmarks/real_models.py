@@ -50,7 +50,7 @@ LLAMA_ROWS = tuple(
     for imat in ("", "+imatrix")
 )
 #: attnquant's 4-bit budgets (bytes over float32 projection bytes) beside its fixed rows.
-BUDGETS = ("0.2", "0.15")
+BUDGETS = ("0.3", "0.2", "0.15")
 
 
 def main() -> None:
