@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +121,19 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def attnquant_serve(
-    model: Path, log: Path, *, name: str = "m", env: dict | None = None
+    model: Path,
+    log: Path,
+    *,
+    name: str = "m",
+    env: dict | None = None,
+    args: Sequence[str] = (),
 ) -> Iterator[Server]:
-    """Run ``attnquant serve`` on a free loopback port until ``/v1/models`` answers."""
+    """Run ``attnquant serve`` (with ``args``) on a free loopback port until ``/v1/models``
+    answers; its terminal output goes to ``log``, MAX's log beside it (``NAME.max.log``)
+    unless ``args`` say otherwise."""
     port = _free_port()
+    if "--max-log" not in args:
+        args = [*args, "--max-log", str(log.with_suffix(".max.log"))]
     cmd = [
         sys.executable,
         "-m",
@@ -135,6 +144,7 @@ def attnquant_serve(
         str(port),
         "--served-model-name",
         name,
+        *args,
     ]
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
@@ -166,5 +176,6 @@ def attnquant_serve(
 
 @pytest.fixture(scope="session")
 def serve_model(demo_graph: None):
-    """``serve_model(path, log, name=..., env=...)``: a context manager around ``attnquant serve``."""
+    """``serve_model(path, log, name=..., env=..., args=...)``: a context manager around
+    ``attnquant serve``."""
     return attnquant_serve

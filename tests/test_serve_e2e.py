@@ -86,6 +86,12 @@ def test_verify_compressed_reports_and_fails(demo, theta_dir, tmp_path, capsys):
 @pytest.mark.xdist_group("demo-verify")
 def test_generate_completes_python(demo, capsys):
     assert cli(["generate", str(demo), "--prompt", "import os\n", "--max-new-tokens", "16"]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert text.startswith("import os\n")
     assert len(text) > len("import os\n")
+    # attnquant's lines, not MAX's: what it compiles, how long, and the ready line
+    err = captured.err.splitlines()
+    assert any("building and compiling the model graph" in line for line in err)
+    assert any(line.startswith("attnquant: model loaded in ") for line in err)
+    assert not any("Building, compiling, and initializing" in line for line in err)
