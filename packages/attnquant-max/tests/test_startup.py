@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import itertools
 import logging
 import subprocess
 import sys
@@ -115,6 +116,23 @@ def test_progress_lines_come_every_so_often_with_the_elapsed_time() -> None:
     clock.now += 60.0
     report.tick()  # ready: no more progress lines
     assert said[-1].startswith("attnquant: model loaded in 46 s; ")
+
+
+def test_progress_lines_space_out_so_an_hour_long_compile_prints_a_few() -> None:
+    report, said, clock = _report(every_s=20.0)
+    report.line("09:00:00.000 INFO: Building, compiling, and initializing model...")
+    for _ in range(3600):
+        clock.now += 1.0
+        report.tick()
+    progress = said[1:]
+    gaps = [int(line.split(", ")[1].split(" s")[0]) for line in progress]
+    assert gaps[:4] == [20, 60, 140, 300]  # waits of 20, 40, 80, 160 s, then 160 each
+    assert all(b - a == 160 for a, b in itertools.pairwise(gaps[3:]))
+    assert len(progress) <= 26
+    report.line("09:00:00.000 INFO: Building, compiling, and initializing sampler...")
+    clock.now += 21.0
+    report.tick()  # something else was said: the wait is back to 20 s
+    assert said[-1] == "attnquant: compiling the sampler graph, 21 s (3621 s since start)"
 
 
 def test_each_attnquant_line_is_said_once() -> None:

@@ -65,7 +65,9 @@ class StartupReport:
     """What attnquant prints while MAX starts: ``say`` gets each line.
 
     Feed it MAX's output (:meth:`line` for a log line, :meth:`record` for a parsed record),
-    call :meth:`tick` now and then (a progress line once ``every_s`` passed without one), and
+    call :meth:`tick` now and then (a progress line once ``every_s`` passed without one, the
+    wait doubling with each progress line in a row up to ``most_s``, so that a compile of an
+    hour still prints a few lines), and
     :meth:`ready` once; times count from ``started`` (a ``clock()`` reading; default now).
 
     Said as they come: what MAX compiles and how long it took; attnquant's own lines, each
@@ -80,11 +82,14 @@ class StartupReport:
         *,
         shown: Iterable[str] = (),
         every_s: float = 20.0,
+        most_s: float = 160.0,
         clock: Callable[[], float] = time.monotonic,
         started: float | None = None,
     ) -> None:
         self.say = say
         self.every_s = every_s
+        self.most_s = most_s
+        self._wait_s = every_s  # until the next progress line; doubles while nothing else is said
         self.clock = clock
         self.last_said = self.phase_started = clock()
         self.started = self.last_said if started is None else started
@@ -94,8 +99,9 @@ class StartupReport:
         self._echoing = False  # continuation lines of an echoed record are echoed too
         self._lock = threading.Lock()  # the follower thread and the caller may both say
 
-    def _say(self, text: str) -> None:
+    def _say(self, text: str, *, progress: bool = False) -> None:
         self.last_said = self.clock()
+        self._wait_s = min(2 * self._wait_s, self.most_s) if progress else self.every_s
         self.say(text)
 
     def line(self, text: str) -> None:
@@ -144,17 +150,19 @@ class StartupReport:
             )
 
     def tick(self) -> None:
-        """Say how long the start has taken when nothing was said for ``every_s``."""
+        """Say how long the start has taken when nothing was said for a while (``every_s``,
+        doubling with each progress line in a row, at most ``most_s``)."""
         with self._lock:
             now = self.clock()
-            if self.is_ready or now - self.last_said < self.every_s:
+            if self.is_ready or now - self.last_said < self._wait_s:
                 return
             in_phase = now - self.phase_started
             since = now - self.started
             if self.phase.startswith("compiling") and in_phase < since - 1:
-                self._say(f"attnquant: {self.phase}, {in_phase:.0f} s ({since:.0f} s since start)")
+                text = f"attnquant: {self.phase}, {in_phase:.0f} s ({since:.0f} s since start)"
             else:
-                self._say(f"attnquant: {self.phase}, {since:.0f} s since start")
+                text = f"attnquant: {self.phase}, {since:.0f} s since start"
+            self._say(text, progress=True)
 
     def ready(self, what: str) -> None:
         """The ready line: ``what`` ("ready to serve at URL"), how long it took, and that MAX
