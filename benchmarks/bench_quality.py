@@ -55,6 +55,7 @@ import safetensors.numpy
 from attnquant_cli._prompts import VERIFY_PROMPTS
 from attnquant_core import FAMILIES, ThetaCheckpoint, decompose_budget
 from attnquant_core.calib import (
+    SENSITIVITY_SAMPLES,
     EvalResult,
     ModelSource,
     calibrate,
@@ -198,6 +199,12 @@ def main() -> None:
         action="store_true",
         help="leave out decompose --calibration-data --sequential (the slowest rows)",
     )
+    parser.add_argument(
+        "--sensitivity-samples",
+        type=int,
+        default=SENSITIVITY_SAMPLES,
+        help="calibration windows the sensitivity probe runs on (its time grows with them)",
+    )
     args, unknown = parser.parse_known_args()
     if unknown:
         print(f"note: ignoring options of other benchmarks: {unknown}")
@@ -266,7 +273,15 @@ def main() -> None:
     sensitivity, sensitivity_s = None, 0.0
     if any(m[3] == "sensitivity" for m in core_methods):
         t0 = time.perf_counter()
-        sensitivity = measure_sensitivity(base, calib_windows, stats)
+        sensitivity = measure_sensitivity(
+            base,
+            calib_windows,
+            stats,
+            samples=args.sensitivity_samples,
+            progress=lambda done, total: print(
+                f"  sensitivity {done}/{total} ({time.perf_counter() - t0:.0f} s)", flush=True
+            ),
+        )
         sensitivity.write(sensitivity_path(report.path))
         sensitivity_s = time.perf_counter() - t0
         print(f"sensitivity: {sensitivity.tokens} tokens in {sensitivity_s:.1f} s", flush=True)
@@ -366,6 +381,7 @@ def main() -> None:
             "damping": args.damping,
             "seconds": round(calib_s, 1),
             "sensitivity_tokens": None if sensitivity is None else sensitivity.tokens,
+            "sensitivity_samples": None if sensitivity is None else args.sensitivity_samples,
             "sensitivity_seconds": round(sensitivity_s, 1),
         },
         "heldout": heldout_record(str(HELDOUT.relative_to(ROOT)), heldout, dense),

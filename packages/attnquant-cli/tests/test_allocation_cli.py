@@ -26,6 +26,15 @@ def _manifest(path: Path) -> dict:
     return json.loads((path / MANIFEST_FILE).read_text())
 
 
+def test_sensitivity_samples_bounds_the_probe(tmp_path: Path, capsys, tiny) -> None:
+    model, data = tiny
+    stats = tmp_path / "stats.safetensors"
+    argv = ["calibrate", str(model), "-o", str(stats), "--data", data, *FEW, "--sensitivity"]
+    assert cli([*argv, "--sensitivity-samples", "2"]) == 0, capsys.readouterr().err
+    sens = read_sensitivity(sensitivity_path(stats), stats_digest=read_stats(stats).digest)
+    assert read_stats(stats).tokens == 64 and sens.tokens == 32  # half the sequences probed
+
+
 def test_calibrate_sensitivity_then_decompose_with_it(tmp_path: Path, capsys, tiny) -> None:
     model, data = tiny
     stats = tmp_path / "stats.safetensors"

@@ -150,11 +150,19 @@ def calibrate(
         typer.Option(
             "--sensitivity",
             help="Also measure what each projection's output error costs the model (KL per "
-            f"unit of squared output error, on the first {SENSITIVITY_SAMPLES} sequences; about "
-            "3.5 forwards per layer) into OUTPUT.sensitivity.json, for `decompose --budget "
-            "--allocation sensitivity`.",
+            "unit of squared output error, on the first --sensitivity-samples sequences; "
+            "about 3.5 forwards per layer) into OUTPUT.sensitivity.json, for `decompose "
+            "--budget --allocation sensitivity`.",
         ),
     ] = False,
+    sensitivity_samples: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Sequences the --sensitivity probe runs on (the first of the calibration ones): "
+            "its time grows with them (on SmolLM2-135M, 2 cores: about 6 min a sequence).",
+        ),
+    ] = SENSITIVITY_SAMPLES,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the figures as one JSON object on stdout.")
     ] = False,
@@ -188,6 +196,7 @@ def calibrate(
                 source,
                 windows,
                 output,
+                samples=sensitivity_samples,
                 batch=batch,
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
             ).write(sens_path)

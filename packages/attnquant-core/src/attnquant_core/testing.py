@@ -201,25 +201,49 @@ def write_byte_tokenizer(directory: Path, specials: list[str], **tokenizer_confi
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def byte_llama_config(num_layers: int, vocab: int = 257) -> dict[str, object]:
-    """The ``config.json`` of :func:`write_byte_llama`'s model."""
-    return llama_config(num_layers, vocab_size=vocab, eos_token_id=256, max_position_embeddings=64)
+def byte_llama_config(
+    num_layers: int,
+    vocab: int = 257,
+    *,
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+    max_positions: int = 64,
+) -> dict[str, object]:
+    """The ``config.json`` of :func:`write_byte_llama`'s model (head dim 8, as :data:`SHAPES`)."""
+    q_out, hidden = shapes["self_attn.q_proj"]
+    return llama_config(
+        num_layers,
+        hidden_size=hidden,
+        intermediate_size=shapes["mlp.gate_proj"][0],
+        num_attention_heads=q_out // 8,
+        num_key_value_heads=shapes["self_attn.k_proj"][0] // 8,
+        vocab_size=vocab,
+        eos_token_id=256,
+        max_position_embeddings=max_positions,
+    )
 
 
-def write_byte_llama(directory: Path, num_layers: int, vocab: int = 257) -> dict[str, object]:
-    """Write a servable tiny Llama of :data:`SHAPES` to ``directory``; return its config.
+def write_byte_llama(
+    directory: Path,
+    num_layers: int,
+    vocab: int = 257,
+    *,
+    shapes: dict[str, tuple[int, int]] = SHAPES,
+    max_positions: int = 64,
+) -> dict[str, object]:
+    """Write a servable tiny Llama of ``shapes`` to ``directory``; return its config.
 
     Its weights are :func:`make_weights`' scaled to unit gain, with norms of ones, a random
     embedding and head, and :func:`write_byte_tokenizer`'s byte-level tokenizer (``<eos>``
-    is id 256). Every numpy forward can score text with it."""
+    is id 256). Every numpy forward can score text with it; with :data:`SHAPES16` every
+    4-bit form fits it too."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = byte_llama_config(num_layers, vocab)
+    config = byte_llama_config(num_layers, vocab, shapes=shapes, max_positions=max_positions)
     hidden = int(config["hidden_size"])
     rng = np.random.default_rng(0)
     state = {
         k: (v / math.sqrt(v.shape[-1]) if v.ndim == 2 else v)
-        for k, v in make_weights(num_layers).items()
+        for k, v in make_weights(num_layers, shapes=shapes).items()
     }
     for layer in range(num_layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
