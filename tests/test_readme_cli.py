@@ -81,7 +81,8 @@ def fill(
     return argv
 
 
-def test_every_readme_cli_line_runs_as_written(tmp_path: Path) -> None:
+def test_every_readme_cli_line_runs_as_written(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # `analyze` writes its report beside the working directory
     lines = readme_cli_lines()
     assert len(lines) >= 15, lines  # the block was found
     model = tmp_path / "tiny"
