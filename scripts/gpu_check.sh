@@ -21,11 +21,13 @@
 #      against the numpy rows, bit for bit                    -> $OUT/nvfp4_embedding_gpu.json
 #   3. tests/test_gpu.py -m gpu -k gemma (issue 17): a tiny Gemma 3 in bfloat16 (made in numpy,
 #      4 layers, 2 sliding + 2 global, head_dim 128) served by MAX's stock Gemma3ForCausalLM, then
-#      by attnquant's architecture from the passthrough theta checkpoint (identical tokens and
-#      log-probs required) and from G=1 r=16 (max |logprob delta| and greedy agreement); batch-1
-#      tok/s of each (device-graph capture: MAX 26.7 has none for Gemma 3, off for all three);
-#      MAX's log-probs against the numpy Gemma 3 reference on the same weights. One graph
-#      compiled (the three loads share it)            -> $OUT/gemma3_gpu.json
+#      by attnquant's own Gemma 3 architecture (issue 53: Llama's pipeline, Gemma's blocks) from
+#      the dense checkpoint (bf16 round-off against MAX's), the passthrough theta checkpoint (the
+#      same log-probs as attnquant's dense) and G=1 r=16 (max |logprob delta| and greedy
+#      agreement); batch-1 tok/s of each (device-graph capture: MAX 26.7 has none for Gemma 3,
+#      off for all four); MAX's log-probs against the numpy Gemma 3 reference on the same
+#      weights. Two graphs compiled (MAX's, and attnquant's shared by its three loads)
+#                                                     -> $OUT/gemma3_gpu.json
 #   4. benchmarks/bench_kernels.py --device gpu: one decoder layer's latency, custom op against
 #      the GEMM formulation (ranks 16/64/4, batches 1/16/64, bootstrap 95% CIs), rewritten after
 #      every case, in what is left of the budget        -> $OUT/bench_kernels_gpu.json
@@ -343,7 +345,7 @@ else:
         "${pytest[@]}" -k linear_nvfp4
     step "NVFP4 on the GPU: demo model parity, weight bytes, the embedding lookup" 240 \
         "${pytest[@]}" -k "nvfp4 and not linear_nvfp4"
-    step "Gemma 3 bf16 on the GPU: stock vs theta passthrough and G=1 r=16, tok/s" 180 \
+    step "Gemma 3 bf16 on the GPU: stock vs attnquant dense, passthrough and G=1 r=16, tok/s" 300 \
         "${pytest[@]}" -k gemma
     step "latency on the GPU: custom op vs GEMM formulation" 300 \
         "${PY[@]}" benchmarks/bench_kernels.py --device gpu --ranks 16 64 4 --batches 1 16 64 \

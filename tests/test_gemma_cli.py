@@ -1,5 +1,6 @@
 """The command line on a tiny Gemma 3 (bf16, made in numpy): what works on a CPU does, and what
-MAX serves on a GPU only says so in one line, before MAX is started. No graph is compiled."""
+MAX serves on a GPU only (Gemma 4) says so in one line, before MAX is started. No graph is
+compiled."""
 
 from __future__ import annotations
 
@@ -77,15 +78,16 @@ def test_export_nvfp4_gemma3(gemma3: Path, tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("command", ["generate", "verify", "serve"])
-def test_gemma_on_a_cpu_says_it_needs_a_gpu(gemma3: Path, command: str, capsys) -> None:
+def test_gemma4_on_a_cpu_says_it_needs_a_gpu(gemma4_31b: Path, command: str, capsys) -> None:
+    """Gemma 4 (MAX's, GPU-only); Gemma 3 text is served on the CPU (tests/test_gemma3_serve.py)."""
     argv = {
-        "generate": ["generate", str(gemma3), "--prompt", "hi"],
-        "verify": ["verify", str(gemma3), str(gemma3)],
-        "serve": ["serve", str(gemma3), "--port", "18931"],
+        "generate": ["generate", str(gemma4_31b), "--prompt", "hi"],
+        "verify": ["verify", str(gemma4_31b), str(gemma4_31b)],
+        "serve": ["serve", str(gemma4_31b), "--port", "18931"],
     }[command]
     assert cli(argv) == 2
     err = capsys.readouterr().err
-    assert "Gemma3ForCausalLM needs a GPU in MAX 26.7" in err
+    assert "Gemma4ForConditionalGeneration needs a GPU in MAX 26.7" in err
     assert "not supported by MAX engine" not in err
 
 

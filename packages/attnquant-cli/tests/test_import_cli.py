@@ -84,3 +84,27 @@ def test_data_given_twice_without_repeating_the_option_gets_a_hint(tmp_path: Pat
     rc = cli(["calibrate", "demo", "--data", "a.txt", "b.txt", "-o", str(tmp_path / "s")])
     assert rc == 2
     assert "--data A --data B" in capsys.readouterr().err
+
+
+def test_a_chat_template_is_given_where_the_gguf_has_none(tmp_path: Path, capsys) -> None:
+    """The demo's GGUF carries no chat template (as the Gemma 3 270M package's does not):
+    import says so, and --chat-template FILE writes one."""
+    path = export_gguf(demo_model_path(), tmp_path / "demo.gguf")
+    assert cli(["import", str(path), "-o", str(tmp_path / "plain")]) == 0
+    assert "no chat template" in capsys.readouterr().out
+    assert "chat_template" not in json.loads((tmp_path / "plain/tokenizer_config.json").read_text())
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    out = tmp_path / "chat"
+    assert cli(["import", str(path), "-o", str(out), "--chat-template", str(template)]) == 0
+    assert "no chat template" not in capsys.readouterr().out
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == template.read_text()
+    assert json.loads((out / SOURCE_FILE).read_text())["chat_template"] == "given"
+    template.write_text("  \n")
+    assert (
+        cli(["import", str(path), "-o", str(tmp_path / "empty"), "--chat-template", str(template)])
+        == 2
+    )
+    assert "chat template given is empty" in capsys.readouterr().err
+    assert not (tmp_path / "empty").exists()

@@ -1,9 +1,11 @@
 """Gemma 3 and Gemma 4 through attnquant-max on the CPU, without building a MAX graph.
 
-MAX 26.7 serves Gemma on a GPU only, so what runs here is everything before the graph: the
-weights our architectures hand MAX (compared, key for key and bit for bit, with what MAX's
-stock adapters make of the dense checkpoint), the refusals of broken theta checkpoints, and
-the plain "needs a GPU" error a CPU user gets. No graph is built or compiled, nothing is
+What runs here is everything before the graph: the weights our architectures hand MAX
+(compared, key for key and bit for bit, with what the stock adapters make of the dense
+checkpoint: MAX's for the multimodal models, Llama's for attnquant's own Gemma 3 text
+architecture), the refusals of broken theta checkpoints, and the plain "needs a GPU" error a
+CPU user gets for the models MAX 26.7 serves on a GPU only (Gemma 3 multimodal, Gemma 4). No
+graph is built or compiled (tests/test_gemma3_max.py compiles Gemma 3's), nothing is
 downloaded.
 """
 
@@ -121,9 +123,15 @@ def _hf_config(path: Path) -> Any:
 
 
 def _pipeline_config(path: Path) -> SimpleNamespace:
-    """The part of MAX's ``PipelineConfig`` a load reads: the path and the Hugging Face config."""
+    """The part of MAX's ``PipelineConfig`` a load reads: the path, the Hugging Face config, and
+    (for Llama's adapter) an encoding resolved with no cast (weights handed over as stored)."""
     return SimpleNamespace(
-        model=SimpleNamespace(model_path=str(path), huggingface_config=_hf_config(path))
+        model=SimpleNamespace(
+            model_path=str(path),
+            huggingface_config=_hf_config(path),
+            quantization_encoding="float32",
+            _resolved_dtype_cast=(None, None),
+        )
     )
 
 
@@ -148,10 +156,14 @@ def _assert_same(ours: dict[str, Any], stock: dict[str, Any]) -> None:
 
 def _stock_state(name: str, max_archs: dict[str, Any], path: Path) -> dict[str, Any]:
     """What MAX 26.7's stock architecture makes of the checkpoint at ``path``."""
-    if name == "Gemma3ForCausalLM":
-        from max.pipelines.architectures.gemma3 import weight_adapters
+    if name == "Gemma3ForCausalLM":  # attnquant's own architecture: Llama's adapter
+        from max.pipelines.architectures.llama3 import weight_adapters
 
-        return weight_adapters.convert_safetensor_state_dict(dict(_weights(path).items()))
+        return weight_adapters.convert_safetensor_state_dict(
+            dict(_weights(path).items()),
+            huggingface_config=_hf_config(path),
+            pipeline_config=_pipeline_config(path),
+        )
     from max.pipelines.architectures.gemma3multimodal import Gemma3_MultiModalModel as G3
     from max.pipelines.architectures.gemma4 import Gemma3_MultiModalModel as G4
 
@@ -441,17 +453,17 @@ def test_gpu_only_table_is_max_s(max_archs: dict[str, Any]) -> None:
     MAX runs none of those encodings on a CPU."""
     from max.pipelines.modeling.config_enums import supported_encoding_supported_devices
 
-    gemma = {name for name in max_archs if name.startswith("Gemma")}
+    gemma = {name for name in max_archs if name.startswith("Gemma")} - {"Gemma3ForCausalLM"}
     assert gemma == set(GPU_ONLY_ARCHITECTURES)
     for name, encodings in GPU_ONLY_ARCHITECTURES.items():
         assert set(max_archs[name].supported_encodings) == set(encodings), name
         for encoding in encodings:
             assert "cpu" not in supported_encoding_supported_devices(encoding), encoding
-    for name in set(max_archs) - gemma:  # and Llama does run on a CPU
+    for name in set(max_archs) - gemma:  # Llama and attnquant's Gemma 3 text do run on a CPU
         assert "float32" in max_archs[name].supported_encodings
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", [a for a in ARCHS if a != "Gemma3ForCausalLM"])
 def test_gemma_on_a_cpu_says_it_needs_a_gpu(name: str, dense: dict[str, Path]) -> None:
     with pytest.raises(DeviceError) as info:
         require_device(dense[name], "cpu")
@@ -466,7 +478,7 @@ def test_gemma_on_a_cpu_says_it_needs_a_gpu(name: str, dense: dict[str, Path]) -
 def test_load_pipeline_and_serve_command_refuse_gemma_on_a_cpu(dense: dict[str, Path]) -> None:
     from attnquant_max import load_pipeline, serve_command
 
-    path = dense["Gemma3ForCausalLM"]
+    path = dense["Gemma3ForConditionalGeneration"]
     with pytest.raises(DeviceError, match="needs a GPU"):
         load_pipeline(path, max_length=64)
     with pytest.raises(DeviceError, match="needs a GPU"):
@@ -474,8 +486,18 @@ def test_load_pipeline_and_serve_command_refuse_gemma_on_a_cpu(dense: dict[str, 
     assert "--devices" in serve_command(path, port=8000, devices="gpu")
 
 
-def test_llama_is_not_refused(tmp_path: Path) -> None:
+def test_llama_and_gemma3_text_are_not_refused(tmp_path: Path) -> None:
     from attnquant_max.testing import write_tiny_llama
 
     require_device(write_tiny_llama(tmp_path / "llama"), "cpu")
+    require_device(write_tiny_gemma3(tmp_path / "gemma3", sliding_window=512), "cpu")
     require_device(tmp_path / "nowhere", "cpu")  # no config: left to the loader
+
+
+def test_gemma3_window_below_the_cpu_kernel_s_is_refused(dense: dict[str, Path]) -> None:
+    path = dense["Gemma3ForCausalLM"]  # sliding window 8
+    with pytest.raises(DeviceError) as info:
+        require_device(path, "cpu")
+    message = str(info.value)
+    assert "sliding_window 8" in message and "128" in message and "--forward numpy" in message
+    require_device(path, "gpu")  # MAX's GPU attention: no such limit known

@@ -84,8 +84,9 @@ def test_another_architecture_is_rebuilt_at_load_and_says_why(
     (other / "config.json").write_text(json.dumps(config))
     plan = plan_serving(other, AUTO)
     assert plan.path == "precompute-outside"
-    assert "MistralForCausalLM is served in the graph for LlamaForCausalLM only" in (
-        plan.describe()
+    assert (
+        "MistralForCausalLM is served in the graph for LlamaForCausalLM, Gemma3ForCausalLM only"
+        in (plan.describe())
     )
 
 

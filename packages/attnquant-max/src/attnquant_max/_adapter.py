@@ -34,7 +34,7 @@ from ._keys import (
     is_attnquant_key,
     listed,
 )
-from ._plan import ServingPlan, log_serving_path, plan_serving
+from ._plan import IN_GRAPH_ARCHITECTURES, ServingPlan, log_serving_path, plan_serving
 from ._refusals import REBUILD_AT_LOAD
 
 __all__ = [
@@ -172,7 +172,7 @@ def rebuilt_weights(
             )
     plan = plan_serving(path, ServingOptions.from_env() if options is None else options)
     log_serving_path(plan)
-    served_in_graph = {  # what only an in-graph architecture (Llama's) builds
+    served_in_graph = {  # what only an in-graph architecture (Llama's, Gemma 3 text's) builds
         "nvfp4": ("a checkpoint whose W0 is NVFP4", plan.theta_state, " and no --quant"),
         "quantized": (
             f"--quant {plan.options.quant} (ATTNQUANT_QUANT)",
@@ -196,7 +196,8 @@ def rebuilt_weights(
         what, state, more = served_in_graph[kind]
         if not in_graph:
             raise NotImplementedError(
-                f"{name or 'this architecture'}: {what} is served for LlamaForCausalLM only; "
+                f"{name or 'this architecture'}: {what} is served for "
+                f"{' and '.join(IN_GRAPH_ARCHITECTURES)} only; "
                 f"serve it with {REBUILD_AT_LOAD}{more}"
             )
         return {key: ArrayWeights(key, array) for key, array in state()}, plan

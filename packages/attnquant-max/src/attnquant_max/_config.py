@@ -138,11 +138,16 @@ def use_gemm_formulation(options: ServingOptions, accelerator_api: str) -> bool:
 #: CPU MAX runs float32 and the GGUF q4_k/q4_0/q6_k only), so MAX refuses these models on a
 #: CPU, with "quantization_encoding of 'float32' not supported by MAX engine".
 GPU_ONLY_ARCHITECTURES: dict[str, tuple[str, ...]] = {
-    "Gemma3ForCausalLM": ("bfloat16",),
     "Gemma3ForConditionalGeneration": ("bfloat16", "float8_e4m3fn"),
     "Gemma4ForConditionalGeneration": ("bfloat16", "float16", "float4_e2m1fnx2"),
     "Gemma4UnifiedForConditionalGeneration": ("bfloat16", "float16", "float4_e2m1fnx2"),
 }
+
+
+#: The shortest sliding window MAX 26.7's fused CPU attention compiles for: its sliding mask
+#: needs a window of at least the SIMD width it instantiates (128 seen on an AVX-512 machine;
+#: windows 4 and 32 failed to compile, Gemma 3's 512 compiles: docs/gemma3-cpu.md).
+MIN_CPU_SLIDING_WINDOW = 128
 
 
 class DeviceError(ValueError):
@@ -157,6 +162,18 @@ def _architecture(model_path: str | os.PathLike[str]) -> str | None:
         return None  # no readable config: MAX or the checkpoint reader says what is wrong
 
 
+def _sliding_window(model_path: str | os.PathLike[str]) -> int | None:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = config.get("text_config", config)
+        layer_types = config.get("layer_types") or ["sliding_attention"]
+        if "sliding_attention" not in layer_types:
+            return None
+        return int(config.get("sliding_window") or 0)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def require_device(
     model_path: str | os.PathLike[str],
     devices: str = "cpu",
@@ -164,8 +181,9 @@ def require_device(
 ) -> None:
     """Fail, saying why, when MAX 26.7 cannot serve ``model_path`` on ``devices``.
 
-    Gemma 3 and Gemma 4 (:data:`GPU_ONLY_ARCHITECTURES`) run on a GPU only; asked for a CPU
-    MAX stops with an encoding error that does not say so. Other architectures pass
+    Gemma 3 multimodal and Gemma 4 (:data:`GPU_ONLY_ARCHITECTURES`) run on a GPU only; asked
+    for a CPU MAX stops with an encoding error that does not say so. Gemma 3 text runs on a CPU
+    with a sliding window of at least :data:`MIN_CPU_SLIDING_WINDOW`. Other architectures pass
     unchecked. Reads ``config.json`` only: nothing of MAX is imported.
 
     Raises
@@ -174,11 +192,21 @@ def require_device(
         Naming the checkpoint, the architecture, why MAX needs a GPU for it, and what works.
     """
     arch = _architecture(model_path)
+    on_cpu = devices.strip().lower().startswith("cpu")
+    if arch == "Gemma3ForCausalLM" and on_cpu:
+        window = _sliding_window(model_path)
+        if window is not None and 0 < window < MIN_CPU_SLIDING_WINDOW:
+            raise DeviceError(
+                f"{model_path}: Gemma3ForCausalLM with sliding_window {window}: MAX 26.7's CPU "
+                f"attention compiles its sliding mask for windows of {MIN_CPU_SLIDING_WINDOW} "
+                "tokens or more (Gemma 3 releases use 512 and 1024); on this CPU the numpy "
+                "forward (`attnquant eval --forward numpy`) scores it"
+            )
     if arch not in GPU_ONLY_ARCHITECTURES:
         return
     encodings = GPU_ONLY_ARCHITECTURES[arch]
     where = f"{model_path}: {arch}"
-    if devices.strip().lower().startswith("cpu"):
+    if on_cpu:
         raise DeviceError(
             f"{where} needs a GPU in MAX 26.7: MAX serves it only in "
             f"{', '.join(encodings)}, encodings that MAX runs on GPUs only (on a CPU it runs "

@@ -257,12 +257,13 @@ class ThetaBuilder:
         )
         return ThetaStackedLinear(members, names, fuse_precomputed=precompute_fused)
 
-    def mlp(self, layer: int, prefix: str = "mlp") -> ThetaMLP:
-        """The gated MLP of ``layer`` (``<prefix>.{gate,up,down}_proj``)."""
+    def mlp(self, layer: int, prefix: str = "mlp", *, activation: str = "silu") -> ThetaMLP:
+        """The gated MLP of ``layer`` (``<prefix>.{gate,up,down}_proj``), ``activation`` of
+        :data:`~attnquant_max._theta_modules.MLP_ACTIVATIONS`."""
         gate_up = self.stacked([f"{prefix}.gate_proj", f"{prefix}.up_proj"], layer)
         down = self.linear(f"{prefix}.down_proj", layer)
         banded = isinstance(down, ThetaLinear) and all(
             isinstance(m, ThetaLinear) for m in getattr(gate_up, "members", ())
         )
         fused = self.layout.custom_op and self.layout.fused_mlp and banded
-        return ThetaMLP(gate_up, down, fused_kernel=fused)  # type: ignore[arg-type]
+        return ThetaMLP(gate_up, down, fused_kernel=fused, activation=activation)  # type: ignore[arg-type]

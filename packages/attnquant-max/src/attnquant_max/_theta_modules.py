@@ -287,8 +287,16 @@ class ThetaStackedLinear(Module):
         return y
 
 
+#: The gated MLPs' activations: Llama's SiLU, Gemma's tanh GELU.
+MLP_ACTIVATIONS = {
+    "silu": ops.silu,
+    "gelu_tanh": lambda x: ops.gelu(x, approximate="tanh"),
+}
+
+
 class ThetaMLP(Module):
-    """The gated MLP ``down(silu(gate(x)) * up(x))`` over theta projections.
+    """The gated MLP ``down(act(gate(x)) * up(x))`` over theta projections (``act``: SiLU, or
+    Gemma's tanh GELU, ``activation="gelu_tanh"``).
 
     ``gate_up_proj`` is a :class:`ThetaStackedLinear` (its name is left out of
     the weight names: ``mlp.gate_proj.theta_s``), ``down_proj`` a :class:`ThetaLinear`.
@@ -302,12 +310,16 @@ class ThetaMLP(Module):
         down_proj: ThetaLinear,
         *,
         fused_kernel: bool = False,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: one of {sorted(MLP_ACTIVATIONS)}")
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.feed_forward_length = gate_up_proj.out_dims[0]
         self.fused_kernel = fused_kernel
+        self.activation = activation
 
     def __call__(self, x: TensorValue) -> TensorValue:
         if self.fused_kernel:
@@ -317,11 +329,11 @@ class ThetaMLP(Module):
             down = self.down_proj.kernel_operands(x.device)
 
             def mlp(rows: TensorValue) -> TensorValue:
-                return generated_mlp(rows, gate, up, down, activation="silu")
+                return generated_mlp(rows, gate, up, down, activation=self.activation)
 
             hidden = self.down_proj.out_dim
             return on_rows(x, hidden, hidden, mlp)
         gate, up = ops.split(
             self.gate_up_proj(x), [self.feed_forward_length, self.feed_forward_length], axis=-1
         )
-        return self.down_proj(ops.silu(gate) * up)
+        return self.down_proj(MLP_ACTIVATIONS[self.activation](gate) * up)

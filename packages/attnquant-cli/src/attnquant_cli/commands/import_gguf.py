@@ -20,6 +20,16 @@ def import_command(
     gguf_file: Annotated[Path, typer.Argument(help="The GGUF file to import.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")],
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(
+            "--chat-template",
+            exists=True,
+            dir_okay=False,
+            help="A Jinja chat template file, written in place of the GGUF's (for a GGUF that "
+            "carries none, as llama.cpp's --chat-template).",
+        ),
+    ] = None,
     json_summary: JsonFlag = False,
 ) -> None:
     """Import a GGUF (Llama, Mistral, Qwen2/3, Gemma 3) as a float32 Hugging Face checkpoint.
@@ -41,7 +51,10 @@ def import_command(
         def report(event: ImportProgress) -> None:
             progress.update(task, completed=event.done, total=event.total)
 
-        summary = import_gguf(gguf_file, output, overwrite=overwrite, progress=report)
+        template = None if chat_template is None else chat_template.read_text(encoding="utf-8")
+        summary = import_gguf(
+            gguf_file, output, overwrite=overwrite, progress=report, chat_template=template
+        )
     if json_summary:
         print_json({"output": str(output), **summary})
         return
@@ -52,6 +65,8 @@ def import_command(
         if summary["quantized"]
         else ""
     )
+    if summary["chat_template"] is None:
+        note += "; the GGUF has no chat template (give one with --chat-template FILE for chat)"
     out.print(
         f"{output}: {summary['hf_architecture']} from {gguf_file.name} ({summary['tensors']} "
         f"tensors: {types}), {summary['float32_bytes']:,} bytes in float32{note}",

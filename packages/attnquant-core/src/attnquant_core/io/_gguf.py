@@ -205,16 +205,29 @@ def import_gguf(
     *,
     overwrite: bool = False,
     progress: Callable[[ImportProgress], None] | None = None,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Write the GGUF ``path`` as a float32 Hugging Face checkpoint ``out`` (atomically: a
     failure leaves nothing at ``out``); returns a summary (architecture, tensor counts by GGUF
-    type, the quantized keys, bytes)."""
+    type, the quantized keys, bytes, where the chat template came from).
+
+    ``chat_template`` (Jinja text) is written as the tokenizer's chat template in place of the
+    GGUF's ``tokenizer.chat_template``, for a GGUF that carries none (llama.cpp's
+    ``--chat-template``); the record says it was given."""
     src = _open(path)
     path = src.path
     tied = "lm_head.weight" not in src.tensors
     n_vocab = src.shapes["model.embed_tokens.weight"][0]
     config = _config(src.fields, src.arch, n_vocab, tied, src.shapes)
     side = _tokenizer_files(src.fields, config)
+    template_from = "gguf" if src.fields.get("tokenizer.chat_template") else None
+    if chat_template is not None:
+        if not chat_template.strip():
+            raise GGUFError("the chat template given is empty")
+        tok_config = json.loads(side["tokenizer_config.json"])
+        tok_config["chat_template"] = chat_template
+        side["tokenizer_config.json"] = json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n"
+        template_from = "given"
     types = src.types
     unquantized = {"F32", "F64"}
     record = {
@@ -227,6 +240,7 @@ def import_gguf(
         "name": src.fields.get("general.name"),
         "tensors": dict(types),
         "quantized": sorted(k for k, t in types.items() if t not in unquantized),
+        "chat_template": template_from,
         "note": (
             "every tensor dequantized to float32; where the GGUF was quantized, this checkpoint "
             "(not the model the GGUF was made from) is the reference"
@@ -259,6 +273,7 @@ def import_gguf(
         "quantized": len(record["quantized"]),
         "float32_bytes": sum(s.nbytes for s in specs.values()),
         "gguf_bytes": path.stat().st_size,
+        "chat_template": template_from,
     }
 
 

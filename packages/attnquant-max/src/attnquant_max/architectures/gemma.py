@@ -1,15 +1,14 @@
-"""Gemma 3 and Gemma 4 (GPU-only in MAX 26.7): precompute-outside, the stock graphs.
+"""Gemma 3 and Gemma 4.
 
-``Gemma3ForCausalLM`` loads through its stock adapter, wrapped. The multimodal models
-(``Gemma3ForConditionalGeneration``, ``Gemma4ForConditionalGeneration`` and Gemma 4 12B's
-``Gemma4UnifiedForConditionalGeneration``) read ``self.weights`` directly and take no adapter,
+``Gemma3ForCausalLM`` (text) is attnquant's own architecture (:mod:`.gemma3`): every path, float32
+on a CPU. The multimodal models, GPU-only in MAX 26.7, keep MAX's graphs (precompute-outside): they
+``Gemma3ForConditionalGeneration``, ``Gemma4ForConditionalGeneration`` and Gemma 4 12B's
+``Gemma4UnifiedForConditionalGeneration`` read ``self.weights`` directly and take no adapter,
 so a subclass of their pipeline model swaps the rebuilt weights in before the stock load.
 """
 
 from __future__ import annotations
 
-from max.pipelines.architectures.gemma3 import gemma3_arch
-from max.pipelines.architectures.gemma3 import weight_adapters as gemma3_adapters
 from max.pipelines.architectures.gemma3multimodal import (
     Gemma3_MultiModalModel as _StockGemma3MultiModalModel,
 )
@@ -21,6 +20,7 @@ from max.pipelines.lib import SupportedArchitecture
 from attnquant_core.serving import ServingOptions
 
 from ._loading import RebuildingLoadMixin, uniform_expected, with_adapter
+from .gemma3 import gemma3_text_architecture
 
 __all__ = ["Gemma3MultiModalThetaModel", "Gemma4ThetaModel", "gemma_architectures"]
 
@@ -41,9 +41,7 @@ def gemma_architectures(options: ServingOptions | None) -> list[SupportedArchite
     """
     carrier = (None, uniform_expected, options)
     return [
-        with_adapter(
-            gemma3_arch, gemma3_adapters.convert_safetensor_state_dict, uniform_expected, options
-        ),
+        gemma3_text_architecture(options),
         with_adapter(gemma3_multimodal_arch, *carrier, pipeline_model=Gemma3MultiModalThetaModel),
         with_adapter(gemma4_arch, *carrier, pipeline_model=Gemma4ThetaModel),
         # Gemma 4 12B ("gemma4_unified"): the Gemma 4 model and loader, served text-only.

@@ -96,6 +96,9 @@ def _refuse_unsupported(config: Llama3Config, what: str) -> None:
 class ThetaLlama3(Llama3):
     """The stock single-device Llama3 with theta projections (see the module docstring).
 
+    Over another architecture's blocks (Gemma 3's: :class:`~..gemma3.graph.ThetaGemma3`), the
+    same swaps, the MLP with that architecture's ``mlp_activation``.
+
     Weight names: the stock ones for everything but the projections;
     ``layers.<i>.<family>.theta_{s,U,V}`` and the band weights of
     :mod:`attnquant_core.serving._layout` for those. A family banded with an NVFP4 ``W0`` (GEMM path)
@@ -103,6 +106,8 @@ class ThetaLlama3(Llama3):
     ``W0_scale_2`` held once per band, and runs as ``options.nvfp4_kernel`` says (fused
     ``generated_linear_nvfp4`` or dequantized in the graph; ``auto`` timed once at start-up).
     """
+
+    mlp_activation = "silu"
 
     def __init__(
         self,
@@ -148,7 +153,7 @@ class ThetaLlama3(Llama3):
         for i, block in enumerate(self.layers):
             block.self_attn.replace_module("qkv_proj", builder.stacked(QKV, i))
             block.self_attn.replace_module("o_proj", builder.linear("self_attn.o_proj", i))
-            block.replace_module("mlp", builder.mlp(i))
+            block.replace_module("mlp", builder.mlp(i, activation=self.mlp_activation))
         self.attnquant_blocks = builder.bank
         self.layout = layout
         if head:
@@ -168,6 +173,8 @@ class NVFP4Llama3(Llama3):
     (:class:`~attnquant_max._nvfp4_layers.NVFP4MergedLinear`: ``self_attn.qkv_proj.*`` and
     ``mlp.gate_up_proj.*``, written by :func:`_merge_state`); fused in bfloat16, one each.
     """
+
+    mlp_activation = "silu"
 
     def __init__(
         self,
@@ -213,7 +220,11 @@ class NVFP4Llama3(Llama3):
         for block in self.layers:
             block.self_attn.replace_module("qkv_proj", stacked(QKV))
             block.self_attn.replace_module("o_proj", linear("self_attn.o_proj"))
-            mlp = ThetaMLP(stacked(GATE_UP), linear("mlp.down_proj"))  # type: ignore[arg-type]
+            mlp = ThetaMLP(
+                stacked(GATE_UP),  # type: ignore[arg-type]
+                linear("mlp.down_proj"),  # type: ignore[arg-type]
+                activation=self.mlp_activation,
+            )
             block.replace_module("mlp", mlp)
         if head:
             _nvfp4_head(self, config, fused=fused, tiled=tiled, int8=int8)

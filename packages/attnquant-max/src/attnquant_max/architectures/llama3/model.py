@@ -147,29 +147,40 @@ class ThetaLlama3Model(Llama3Model):
 
     weight_bytes: int = 0
     _prepared_state: Any = None  # the state dict already merged and tiled for the fused op
+    #: The graphs' models: theta projections, NVFP4 projections (dense: :meth:`_dense_specs`).
+    theta_model: type[ThetaLlama3] = ThetaLlama3
+    nvfp4_model: type[NVFP4Llama3] = NVFP4Llama3
+    #: The decoder graph's name.
+    graph_name = "llama3"
+
+    def _dense_specs(self, model_config: Any) -> dict[str, GraphSpec]:
+        """The dense model's graphs: MAX's stock Llama3 (one device or several)."""
+        return dict(super().graph_specs(model_config))
 
     def graph_specs(self, model_config: Any) -> dict[str, GraphSpec]:
         plan = _plan_of(self.state_dict)
         if plan is None:  # a stock adapter's state (GGUF): the stock model
-            return dict(super().graph_specs(model_config))
+            return self._dense_specs(model_config)
         self._place_workers(plan.options.worker_nice)
         head = HEAD_SCALE_2 in self.state_dict  # --quant-head
         embedding = _embedding_table(self.state_dict, plan)  # --quant-embedding
         if _is_nvfp4_state(self.state_dict):
             self._single_device("NVFP4 serving (--quant nvfp4) runs on one device", model_config)
-            model = NVFP4Llama3(model_config, head=head, embedding=embedding, options=plan.options)
+            model = self.nvfp4_model(
+                model_config, head=head, embedding=embedding, options=plan.options
+            )
             specs = {GraphRole.DECODER: self._spec(model_config, model)}
         elif (layout := _layout_of(self.state_dict, plan)) is None:
             if head:
                 raise ValueError("an NVFP4 head is served beside NVFP4 projections only")
-            specs = dict(super().graph_specs(model_config))
+            specs = self._dense_specs(model_config)
         else:
             self._single_device(
                 "the in-graph theta paths run on one device; serve on several with "
                 "--path precompute-outside" + (" and no --quant" if layout.nvfp4 else ""),
                 model_config,
             )
-            model = ThetaLlama3(
+            model = self.theta_model(
                 model_config, layout, head=head, embedding=embedding, options=plan.options
             )
             specs = {GraphRole.DECODER: self._spec(model_config, model)}
@@ -233,7 +244,7 @@ class ThetaLlama3Model(Llama3Model):
         kernels = [kernels_path()] if custom_op or getattr(model, "needs_kernels", False) else []
         return GraphSpec(
             model,
-            "llama3",
+            self.graph_name,
             self._bind_graph_inputs(model.input_tree(self.kv_params)),
             weights=model.state_dict(),
             custom_extensions=kernels,
