@@ -13,7 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from attnquant_core.serving import ServingOptions
 from attnquant_kernels import MAX_RANK
@@ -154,23 +154,34 @@ class DeviceError(ValueError):
     """The model cannot be served by MAX on the devices asked for (Gemma on a CPU)."""
 
 
-def _architecture(model_path: str | os.PathLike[str]) -> str | None:
+def _read_config(model_path: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
-        return str((config.get("architectures") or [None])[0] or "") or None
-    except (OSError, ValueError, AttributeError, TypeError):
+        return config if isinstance(config, dict) else None
+    except (OSError, ValueError):
         return None  # no readable config: MAX or the checkpoint reader says what is wrong
 
 
-def _sliding_window(model_path: str | os.PathLike[str]) -> int | None:
+def _architecture_of(config: dict[str, Any] | None) -> str | None:
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        config = config.get("text_config", config)
-        layer_types = config.get("layer_types") or ["sliding_attention"]
+        return str(((config or {}).get("architectures") or [None])[0] or "") or None
+    except (AttributeError, TypeError):
+        return None
+
+
+def _architecture(model_path: str | os.PathLike[str]) -> str | None:
+    return _architecture_of(_read_config(model_path))
+
+
+def _sliding_window(config: dict[str, Any] | None) -> int | None:
+    """A Gemma config's ``sliding_window`` where it has sliding layers (else None)."""
+    try:
+        text = (config or {}).get("text_config", config) or {}
+        layer_types = text.get("layer_types") or ["sliding_attention"]
         if "sliding_attention" not in layer_types:
             return None
-        return int(config.get("sliding_window") or 0)
-    except (OSError, ValueError, AttributeError, TypeError):
+        return int(text.get("sliding_window") or 0)
+    except (AttributeError, TypeError, ValueError):
         return None
 
 
@@ -191,10 +202,11 @@ def require_device(
     DeviceError
         Naming the checkpoint, the architecture, why MAX needs a GPU for it, and what works.
     """
-    arch = _architecture(model_path)
+    config = _read_config(model_path)
+    arch = _architecture_of(config)
     on_cpu = devices.strip().lower().startswith("cpu")
     if arch == "Gemma3ForCausalLM" and on_cpu:
-        window = _sliding_window(model_path)
+        window = _sliding_window(config)
         if window is not None and 0 < window < MIN_CPU_SLIDING_WINDOW:
             raise DeviceError(
                 f"{model_path}: Gemma3ForCausalLM with sliding_window {window}: MAX 26.7's CPU "

@@ -1,7 +1,7 @@
 """Gemma 3 and Gemma 4.
 
 ``Gemma3ForCausalLM`` (text) is attnquant's own architecture (:mod:`.gemma3`): every path, float32
-on a CPU. The multimodal models, GPU-only in MAX 26.7, keep MAX's graphs (precompute-outside): they
+on a CPU. The multimodal models, GPU-only in MAX 26.7, keep MAX's graphs (precompute-outside):
 ``Gemma3ForConditionalGeneration``, ``Gemma4ForConditionalGeneration`` and Gemma 4 12B's
 ``Gemma4UnifiedForConditionalGeneration`` read ``self.weights`` directly and take no adapter,
 so a subclass of their pipeline model swaps the rebuilt weights in before the stock load.

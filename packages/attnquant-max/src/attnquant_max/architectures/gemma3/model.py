@@ -27,20 +27,6 @@ class Gemma3TextModel(ThetaLlama3Model):
     model_config_cls = Gemma3TextConfig
     config_class = Gemma3TextConfig
 
-    def _create_model_config(self, state_dict: dict[str, Any]) -> Gemma3TextConfig:
-        model_config = Gemma3TextConfig.initialize(
-            self.pipeline_config, max_seq_len=self.max_seq_len
-        )
-        model_config.finalize(
-            huggingface_config=self.huggingface_config,
-            state_dict=state_dict,
-            norm_method=self.norm_method,
-            attention_bias=self.attention_bias,
-            return_logits=self.return_logits,
-            return_hidden_states=self.return_hidden_states,
-        )
-        return model_config
-
     def _dense_specs(self, model_config: Any) -> dict[str, GraphSpec]:
         self._single_device("Gemma 3 is served by attnquant on one device", model_config)
         return {GraphRole.DECODER: self._spec(model_config, Gemma3Text(model_config))}

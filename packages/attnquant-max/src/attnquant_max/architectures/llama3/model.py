@@ -153,6 +153,22 @@ class ThetaLlama3Model(Llama3Model):
     #: The decoder graph's name.
     graph_name = "llama3"
 
+    def _create_model_config(self, state_dict: dict[str, Any]) -> Llama3Config:
+        """MAX's Llama model config, made by this pipeline model's ``config_class`` (MAX's
+        ``Llama3Model`` names ``Llama3Config`` itself; Gemma 3 text's is a subclass)."""
+        model_config = self.config_class.initialize(
+            self.pipeline_config, max_seq_len=self.max_seq_len
+        )
+        model_config.finalize(
+            huggingface_config=self.huggingface_config,
+            state_dict=state_dict,
+            norm_method=self.norm_method,
+            attention_bias=self.attention_bias,
+            return_logits=self.return_logits,
+            return_hidden_states=self.return_hidden_states,
+        )
+        return model_config
+
     def _dense_specs(self, model_config: Any) -> dict[str, GraphSpec]:
         """The dense model's graphs: MAX's stock Llama3 (one device or several)."""
         return dict(super().graph_specs(model_config))
