@@ -28,9 +28,17 @@ def test_planned_length_is_the_models_own_whatever_the_window(tmp_path):
     assert planned_length(_model_dir(bare, architectures=["LlamaForCausalLM"]), 40) == 40
 
 
-def test_gemma_needs_a_gpu_and_unknown_architectures_are_named(tmp_path):
-    gemma = _model_dir(tmp_path, architectures=["Gemma3ForCausalLM"])
-    assert "GPU" in (max_unavailable(gemma, "cpu") or "")
+def test_gemma_on_a_cpu_and_unknown_architectures_are_named(tmp_path):
+    text = _model_dir(tmp_path, architectures=["Gemma3ForCausalLM"], sliding_window=512)
+    assert max_unavailable(text, "cpu") is None  # Gemma 3 text runs in MAX on a CPU
+    short = tmp_path / "short"
+    short.mkdir()
+    _model_dir(short, architectures=["Gemma3ForCausalLM"], sliding_window=8)
+    assert "sliding_window 8" in (max_unavailable(short, "cpu") or "")
+    vision = tmp_path / "vision"
+    vision.mkdir()
+    _model_dir(vision, architectures=["Gemma3ForConditionalGeneration"])
+    assert "needs a GPU" in (max_unavailable(vision, "cpu") or "")
     other = tmp_path / "other"
     other.mkdir()
     _model_dir(other, architectures=["MambaForCausalLM"])
