@@ -18,9 +18,10 @@ numpy forward):
   ``attnquant calibrate --sensitivity`` measures on the calibration windows, never the
   held-out ones);
 * ``attnquant_auto`` — ``attnquant decompose --budget``: the auto form, weight error;
-* ``attnquant_auto_calibrated`` — (c) ``attnquant decompose --budget --calibration``: the
-  auto form fitted for the output error.
-* ``attnquant_auto_sensitivity`` — (c) with ``--allocation sensitivity``.
+* ``attnquant_auto_calibrated`` — (c) ``attnquant decompose --budget --calibration
+  --allocation global``: the auto form fitted for the output error.
+* ``attnquant_auto_sensitivity`` — (c) with ``--allocation sensitivity`` (the default where
+  the sensitivities were measured beside the statistics, as they are here).
 * ``attnquant_auto_sequential`` — (c) with ``--calibration-data --sequential``
   (``decompose_calibrated``): the same allocation (dense-input whitened spectra, from the
   same calibration windows), then each layer fit against the compressed model's own inputs.
@@ -252,16 +253,17 @@ def main() -> None:
     methods: dict[str, Callable[[float], tuple[dict, int]]] = {
         "svd_whitened_uniform": lambda b: compress(state, uniform_ranks(shapes, b), fit_whitened),
     }
-    # Through core, written as theta checkpoints: (method, forms, calibrated, allocation).
+    # Through core, written as theta checkpoints: (method, forms, calibrated, allocation). The
+    # global rows say so: unset, a budget takes the sensitivities written beside the statistics.
     core_methods = [
         ("svd_weight_global", ["lowrank"], False, None),
-        ("svd_whitened_global", ["lowrank"], True, None),
+        ("svd_whitened_global", ["lowrank"], True, "global"),
         ("svd_whitened_sensitivity", ["lowrank"], True, "sensitivity"),
     ]
     if not args.skip_auto:
         core_methods += [
             ("attnquant_auto", None, False, None),
-            ("attnquant_auto_calibrated", None, True, None),
+            ("attnquant_auto_calibrated", None, True, "global"),
             ("attnquant_auto_sensitivity", None, True, "sensitivity"),
         ]
     wanted = set(args.methods) if args.methods else None

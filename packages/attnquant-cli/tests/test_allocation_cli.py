@@ -51,7 +51,12 @@ def test_calibrate_sensitivity_then_decompose_with_it(tmp_path: Path, capsys, ti
     assert manifest["budget"]["allocation"] == "sensitivity"
     assert manifest["budget"]["stored_over_dense"] <= 0.5
     assert manifest["calibration"]["sensitivity"]["path"] == str(sensitivity_path(stats))
-    assert cli([*argv[:3], str(tmp_path / "g"), *argv[4:]]) == 0  # the default: global
+    # Unset, the sensitivities measured beside the statistics are used; --allocation global
+    # leaves them aside.
+    assert cli([*argv[:3], str(tmp_path / "d"), *argv[4:]]) == 0
+    assert "sensitivity allocation" in " ".join(capsys.readouterr().out.split())
+    assert _manifest(tmp_path / "d")["budget"]["allocation"] == "sensitivity"
+    assert cli([*argv[:3], str(tmp_path / "g"), *argv[4:], "--allocation", "global"]) == 0
     assert _manifest(tmp_path / "g")["budget"]["allocation"] == "global"
 
 

@@ -29,7 +29,8 @@ from attnquant_core.calib import (
     whitened_svd,
 )
 from attnquant_core.calib._sensitivity import probe_rank
-from attnquant_core.fit._whitened import Calibration
+from attnquant_core.fit import DEFAULT_ALLOCATION, resolve_allocation
+from attnquant_core.fit._whitened import Calibration, as_calibration
 
 #: The windows tiny_calibrated's statistics were made of (conftest).
 WINDOWS = np.random.default_rng(0).integers(0, 16, size=(8, 16))
@@ -131,9 +132,33 @@ def test_budget_is_respected(sensitized, tmp_path, budget, forms) -> None:
     record = manifest["calibration"]["sensitivity"]
     assert record["probe"] == sens.probe and record["tokens"] == sens.tokens
     assert record["path"] == str(sensitivity_path(stats_file))
-    glob = decompose_budget(directory, tmp_path / "g", budget=budget, calibration=stats_file)
+    glob = decompose_budget(
+        directory, tmp_path / "g", budget=budget, calibration=stats_file, allocation="global"
+    )
     assert glob.manifest["budget"]["allocation"] == "global"
     assert "sensitivity" not in glob.manifest["calibration"]
+
+
+def test_unset_allocation_uses_sensitivities_where_they_were_measured(sensitized, tmp_path):
+    """The default: the measured sensitivities beside the statistics, else the global split."""
+    directory, stats_file, _, _ = sensitized
+    given = decompose_budget(
+        directory, tmp_path / "s", budget=0.4, calibration=stats_file, allocation="sensitivity"
+    )
+    unset = decompose_budget(directory, tmp_path / "u", budget=0.4, calibration=stats_file)
+    assert unset.manifest["budget"]["allocation"] == "sensitivity"
+    assert (
+        unset.manifest["calibration"]["sensitivity"] == given.manifest["calibration"]["sensitivity"]
+    )
+    for name, choice in unset.families.items():
+        assert list(choice.ranks) == list(given.families[name].ranks), name
+    lone = tmp_path / "lone.safetensors"
+    shutil.copy(stats_file, lone)  # statistics without sensitivities beside them
+    plain = decompose_budget(directory, tmp_path / "p", budget=0.4, calibration=lone)
+    assert plain.manifest["budget"]["allocation"] == "global"
+    assert resolve_allocation(None, None) == DEFAULT_ALLOCATION == "global"
+    assert resolve_allocation("global", as_calibration(stats_file)) == "global"
+    assert resolve_allocation(None, as_calibration(stats_file)) == "sensitivity"
 
 
 def _lowrank(directory, out, budget, cal) -> dict[str, list[int]]:

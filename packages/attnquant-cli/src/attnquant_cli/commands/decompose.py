@@ -128,7 +128,8 @@ def decompose(
             "projections: 'global' (by whitened error drop per parameter) or 'sensitivity' "
             "(each projection's output error weighed by the KL it costs the model, measured on "
             "calibration text: by `attnquant calibrate --sensitivity` beside --calibration "
-            f"STATS, or in the pass of --calibration-data). [default: {DEFAULT_ALLOCATION}; "
+            "STATS, or in the pass of --calibration-data). [default: sensitivity where "
+            f"--calibration STATS has them beside it, else {DEFAULT_ALLOCATION}; "
             f"one of {', '.join(ALLOCATIONS)}]"
         ),
     ] = None,
@@ -244,7 +245,8 @@ def _fit_budget(
         )
     quant = spec.quant
     what = "auto form" if quant is None else f"auto form, bytes, W0 {quant} allowed"
-    if spec.allocation is not None:
-        what += f", {spec.allocation} allocation"
+    allocation = ((report.manifest or {}).get("budget") or {}).get("allocation")
+    if allocation is not None:  # the one used (unset: sensitivity where measured)
+        what += f", {allocation} allocation"
     table = budget_table(report, title=f"{output}  (budget {spec.budget:g}, {what})")
     (console if quiet else out).print_table(table)

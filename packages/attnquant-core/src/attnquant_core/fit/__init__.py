@@ -27,7 +27,7 @@ from ._analysis import (
     stored_parameters,
     sweep,
 )
-from ._budget import decompose_budget, fit_budget
+from ._budget import decompose_budget, fit_budget, resolve_allocation
 from ._decompose import (
     DEFAULT_SVD,
     DecomposeProgress,
@@ -86,6 +86,7 @@ __all__ = [
     "DEFAULT_SEQ_LEN",
     "DecomposeSpec",
     "parse_budget",
+    "resolve_allocation",
     # whole checkpoints
     "DecomposeProgress",
     "decompose_checkpoint",

@@ -66,7 +66,9 @@ DEFAULT_SEQUENTIAL = True
 #: How a budget's ranks are split between projections: ``global`` by whitened error drop per
 #: parameter (each layer's whitened spectrum scaled to its weight's energy), ``sensitivity``
 #: by the KL each projection's output error costs, measured on calibration windows
-#: (:mod:`attnquant_core.calib._sensitivity`).
+#: (:mod:`attnquant_core.calib._sensitivity`). Unset, a budget fit on statistics takes
+#: ``sensitivity`` where sensitivities were measured beside them and :data:`DEFAULT_ALLOCATION`
+#: where not (:func:`attnquant_core.fit._budget.resolve_allocation`; docs/real-models.md).
 ALLOCATIONS = ("global", "sensitivity")
 DEFAULT_ALLOCATION = "global"
 
@@ -106,6 +108,7 @@ class DecomposeSpec:
     :func:`~attnquant_core.calib.decompose_calibrated`). ``quant``: each band's ``W0`` in 4 bits;
     ``rounding``: how (``"gptq"`` where statistics cover the band, or ``"nearest"``).
     ``allocation``: how a budget is split between projections (:data:`ALLOCATIONS`, default
+    ``"sensitivity"`` where sensitivities were measured beside ``calibration``, else
     :data:`DEFAULT_ALLOCATION`); ``"sensitivity"`` needs ``calibration`` (with the sensitivities
     measured beside it) or calibration windows (measured in the same pass).
 
