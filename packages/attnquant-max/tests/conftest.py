@@ -57,12 +57,14 @@ __all__ = [
 # graph on the fused op) is one more; its layers' dequantize form rides in the "layers" graph.
 # "custom-budget" is a budget checkpoint's forms on the custom op (about 3 min cold);
 # "custom-dense" the dense tiny Llama on the custom op, decomposed at load at passthrough.
-# "gemma3" is a tiny Gemma 3 on attnquant's own architecture (echo, a 700-token prompt).
+# "gemma3" is a tiny Gemma 3 on attnquant's own architecture (echo, a 700-token prompt);
+# "qwen2" the tiny Llama's shape on MAX's own Qwen2 graph (test_families_graph.py).
 # Everything else runs after them.
 GRAPH_GROUPS = (
     "gemm",
     "layers",
     "gemma3",
+    "qwen2",
     "precompute",
     "nvfp4",
     "nvfp4-fused",

@@ -135,12 +135,15 @@ def test_in_graph_refused_for_an_architecture_without_it(tiny_theta: Path) -> No
     from attnquant_max._adapter import rebuilt_weights
 
     pipeline_config = SimpleNamespace(model=SimpleNamespace(model_path=str(tiny_theta)))
-    with pytest.raises(NotImplementedError, match="LlamaForCausalLM and Gemma3ForCausalLM only"):
+    with pytest.raises(
+        NotImplementedError,
+        match="LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM only",
+    ):
         rebuilt_weights(
             {},
             pipeline_config,
             options=ServingOptions(path="precompute"),
-            name="Gemma3ForCausalLM",
+            name="Qwen2ForCausalLM",
         )
 
 

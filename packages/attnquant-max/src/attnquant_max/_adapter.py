@@ -197,7 +197,7 @@ def rebuilt_weights(
         if not in_graph:
             raise NotImplementedError(
                 f"{name or 'this architecture'}: {what} is served for "
-                f"{' and '.join(IN_GRAPH_ARCHITECTURES)} only; "
+                f"{', '.join(IN_GRAPH_ARCHITECTURES)} only; "
                 f"serve it with {REBUILD_AT_LOAD}{more}"
             )
         return {key: ArrayWeights(key, array) for key, array in state()}, plan

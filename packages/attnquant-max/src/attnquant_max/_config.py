@@ -19,9 +19,11 @@ from attnquant_core.serving import ServingOptions
 from attnquant_kernels import MAX_RANK
 
 __all__ = [
+    "CPU_CRASHING_GRAPHS",
     "CUSTOM_OP_MAX_RANK",
     "PATH_DESCRIPTIONS",
     "DeviceError",
+    "FULL_ATTENTION_ARCHITECTURES",
     "GPU_ONLY_ARCHITECTURES",
     "ServingPath",
     "require_device",
@@ -144,10 +146,41 @@ GPU_ONLY_ARCHITECTURES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Architectures whose MAX 26.7 graph cannot run on a CPU for a reason other than its encodings,
+#: with that reason. Qwen3's pipeline model (``AlwaysSignalBuffersMixin``) allocates the
+#: multi-device allreduce signal buffers even on one device, and on a CPU that allocation
+#: crashes the process (a segmentation fault, seen in MAX 26.7).
+CPU_CRASHING_GRAPHS: dict[str, str] = {
+    "Qwen3ForCausalLM": (
+        "MAX 26.7's Qwen3 graph allocates multi-device allreduce signal buffers even on one "
+        "device, which crashes on a CPU"
+    ),
+}
+
+
 #: The shortest sliding window MAX 26.7's fused CPU attention compiles for: its sliding mask
 #: needs a window of at least the SIMD width it instantiates (128 seen on an AVX-512 machine;
 #: windows 4 and 32 failed to compile, Gemma 3's 512 compiles: docs/gemma3-cpu.md).
 MIN_CPU_SLIDING_WINDOW = 128
+
+
+#: Architectures attnquant-max serves with full attention only, whose configs may ask for a
+#: sliding window (Mistral 7B v0.1: 4096; Qwen2/3 where ``use_sliding_window`` is set). Up to
+#: the window full attention is the same computation, so they are served up to it.
+FULL_ATTENTION_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _full_attention_window(arch: str | None, config: dict[str, Any] | None) -> int | None:
+    """The sliding window a full-attention architecture's config asks for (None: none)."""
+    if arch not in FULL_ATTENTION_ARCHITECTURES or not config:
+        return None
+    if arch != "MistralForCausalLM" and not config.get("use_sliding_window"):
+        return None
+    try:
+        window = int(config.get("sliding_window") or 0)
+    except (TypeError, ValueError):
+        return None
+    return window or None
 
 
 class DeviceError(ValueError):
@@ -189,12 +222,17 @@ def require_device(
     model_path: str | os.PathLike[str],
     devices: str = "cpu",
     quantization_encoding: str | None = None,
+    max_length: int | None = None,
 ) -> None:
     """Fail, saying why, when MAX 26.7 cannot serve ``model_path`` on ``devices``.
 
     Gemma 3 multimodal and Gemma 4 (:data:`GPU_ONLY_ARCHITECTURES`) run on a GPU only; asked
     for a CPU MAX stops with an encoding error that does not say so. Gemma 3 text runs on a CPU
-    with a sliding window of at least :data:`MIN_CPU_SLIDING_WINDOW`. Other architectures pass
+    with a sliding window of at least :data:`MIN_CPU_SLIDING_WINDOW`. Qwen3's MAX graph crashes on
+    a CPU (:data:`CPU_CRASHING_GRAPHS`): refused there. Mistral and Qwen configs
+    that ask for a sliding window (:data:`FULL_ATTENTION_ARCHITECTURES`) are served with full
+    attention, the same computation up to the window: ``max_length`` (else the config's
+    ``max_position_embeddings``) past the window is refused. Other architectures pass
     unchecked. Reads ``config.json`` only: nothing of MAX is imported.
 
     Raises
@@ -214,6 +252,20 @@ def require_device(
                 "tokens or more (Gemma 3 releases use 512 and 1024); on this CPU the numpy "
                 "forward (`attnquant eval --forward numpy`) scores it"
             )
+    window = _full_attention_window(arch, config)
+    length = max_length or int((config or {}).get("max_position_embeddings") or 0)
+    if window is not None and length > window:
+        raise DeviceError(
+            f"{model_path}: {arch} with sliding_window {window}: attnquant serves it with full "
+            f"attention, which is the same computation for sequences of up to {window} tokens "
+            f"only; pass --max-length {window} or less (asked: {length})"
+        )
+    if arch in CPU_CRASHING_GRAPHS and on_cpu:
+        raise DeviceError(
+            f"{model_path}: {arch} needs a GPU here: {CPU_CRASHING_GRAPHS[arch]}. Pass "
+            "--devices gpu on a machine with a GPU; on this CPU, decompose, calibrate and "
+            "`attnquant eval --forward numpy` work on it"
+        )
     if arch not in GPU_ONLY_ARCHITECTURES:
         return
     encodings = GPU_ONLY_ARCHITECTURES[arch]

@@ -57,7 +57,16 @@ ECHO_OVERRIDES: dict[str, object] = {
 }
 
 #: ``config.json`` architectures attnquant-max serves (GPU-only ones need ``--devices gpu``).
-MAX_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Gemma3ForCausalLM", *GPU_ONLY_ARCHITECTURES})
+MAX_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Gemma3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        *GPU_ONLY_ARCHITECTURES,
+    }
+)
 
 
 def max_unavailable(model_path: str | os.PathLike[str], devices: str = "cpu") -> str | None:

@@ -116,7 +116,7 @@ def load_pipeline(
     """
     options = ServingOptions.from_env() if options is None else options
     require_implemented(options)
-    require_device(model_path, devices, quantization_encoding)  # Gemma on a CPU: say why
+    require_device(model_path, devices, quantization_encoding, max_length)  # say why not
     if quantization_encoding is None and devices == "cpu":
         quantization_encoding = "float32"
     from max.pipelines import AutoModel, AutoTokenizer

@@ -42,7 +42,7 @@ __all__ = ["IN_GRAPH_ARCHITECTURES", "ServingPlan", "log_serving_path", "plan_se
 logger = logging.getLogger(__name__)
 
 #: Architectures whose attnquant pipeline model builds the in-graph theta model.
-IN_GRAPH_ARCHITECTURES = ("LlamaForCausalLM", "Gemma3ForCausalLM")
+IN_GRAPH_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True, kw_only=True)

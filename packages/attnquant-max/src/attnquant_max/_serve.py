@@ -84,7 +84,7 @@ def serve_command(
 
     Run it with :func:`serve_env` as its environment.
     """
-    require_device(model_path, devices, quantization_encoding)  # Gemma on a CPU: say why
+    require_device(model_path, devices, quantization_encoding, max_length)  # say why not
     if quantization_encoding is None and devices == "cpu":
         quantization_encoding = "float32"
     argv = [

@@ -25,6 +25,7 @@ from attnquant_core.testing import write_byte_tokenizer
 
 __all__ = [
     "FAKE_MAX_SERVE",
+    "FAMILY_CONFIGS",
     "HEADS",
     "HEAD_DIM",
     "HIDDEN",
@@ -43,6 +44,7 @@ __all__ = [
     "load_tiny",
     "tiny_llama_tensors",
     "write_tiny_bundle",
+    "write_tiny_family",
     "write_tiny_llama",
     "write_tokenizer",
 ]
@@ -125,6 +127,44 @@ def write_tiny_llama(
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(directory)
     return directory
+
+
+#: The text families served on the tiny Llama's shape besides Llama: what each adds to it.
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "MistralForCausalLM": {"model_type": "mistral", "sliding_window": None},
+    "Qwen2ForCausalLM": {
+        "model_type": "qwen2",
+        "attention_bias": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
+    "Qwen3ForCausalLM": {
+        "model_type": "qwen3",
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
+}
+
+
+def write_tiny_family(directory: Path, architecture: str, seed: int = 0) -> Path:
+    """The tiny Llama as another text family (:data:`FAMILY_CONFIGS`): Mistral as it is, Qwen2
+    with q/k/v biases, Qwen3 with per-head q/k RMSNorms (weights near 1, not 1, so a norm left
+    out or misplaced shows)."""
+    tensors = tiny_llama_tensors(seed)
+    rng = np.random.default_rng(seed + 100)
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}.self_attn."
+        if architecture == "Qwen2ForCausalLM":
+            for p in "qkv":
+                rows = tensors[f"{prefix}{p}_proj.weight"].shape[0]
+                tensors[f"{prefix}{p}_proj.bias"] = rng.normal(0.0, 0.2, rows).astype(np.float32)
+        if architecture == "Qwen3ForCausalLM":
+            for p in "qk":
+                norm = 1.0 + rng.normal(0.0, 0.2, HEAD_DIM)
+                tensors[f"{prefix}{p}_norm.weight"] = norm.astype(np.float32)
+    return write_tiny_llama(
+        directory, tensors, architectures=[architecture], **FAMILY_CONFIGS[architecture]
+    )
 
 
 @contextmanager

@@ -8,7 +8,10 @@ model, its graph and its kernels are MAX's.
 
 * :mod:`.llama3` (``LlamaForCausalLM``): also the in-graph paths; its pipeline model builds the
   theta model when the plan asks for one.
-* :mod:`.gemma` (Gemma 3 and 4, GPU-only in MAX): precompute-outside only.
+  ``MistralForCausalLM`` is the same architecture under Mistral's name.
+* :mod:`.gemma3` (``Gemma3ForCausalLM``): attnquant's own Gemma 3 text graph, every path.
+* :mod:`.gemma` (Gemma 3 multimodal and Gemma 4, GPU-only in MAX): precompute-outside only.
+* :mod:`.qwen` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``): MAX's graphs, precompute-outside.
 
 Importing this package imports ``max.pipelines`` (~15 s): MAX does it when it loads
 ``--custom-architectures`` (the folder :func:`attnquant_max.architectures_path` returns, whose
@@ -23,7 +26,8 @@ from max.pipelines.lib import SupportedArchitecture
 from attnquant_core.serving import ServingOptions
 
 from .gemma import gemma_architectures
-from .llama3 import llama_architecture
+from .llama3 import llama_architecture, mistral_architecture
+from .qwen import qwen_architectures
 
 __all__ = ["build_architectures"]
 
@@ -31,4 +35,9 @@ __all__ = ["build_architectures"]
 def build_architectures(options: ServingOptions | None = None) -> list[SupportedArchitecture]:
     """The attnquant variants of the stock MAX architectures, stock names kept, every load
     through them serving ``options`` (``None``: the ``ATTNQUANT_*`` variables at each load)."""
-    return [llama_architecture(options), *gemma_architectures(options)]
+    return [
+        llama_architecture(options),
+        mistral_architecture(options),
+        *gemma_architectures(options),
+        *qwen_architectures(options),
+    ]
