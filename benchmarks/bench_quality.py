@@ -72,6 +72,7 @@ from attnquant_core.calib import (
     token_windows,
     whitening,
 )
+from attnquant_core.gemma_reference import gemma3_logits
 from attnquant_core.llama_reference import llama_logits
 
 BUDGETS = (0.9, 0.8, 0.7, 0.5)
@@ -127,6 +128,13 @@ def tokenizer_dir(model: Path) -> Path:
     return model if (model / "tokenizer.json").is_file() else DEMO
 
 
+def reference_logits(config: dict, state: dict, ids: list[int]) -> np.ndarray:
+    """The numpy float32 forward of ``config``'s architecture: Gemma 3's, else Llama's."""
+    archs = config.get("architectures") or []
+    forward = gemma3_logits if any(a.startswith("Gemma3") for a in archs) else llama_logits
+    return forward(config, state, ids, dtype=np.float32)
+
+
 def verify_base(
     config: dict, state: dict, model: Path = DEMO
 ) -> list[tuple[list[int], list[int], np.ndarray]]:
@@ -140,9 +148,9 @@ def verify_base(
         ids = tok.encode(prompt).ids
         seq = list(ids)
         for _ in range(VERIFY_NEW_TOKENS):
-            seq.append(int(llama_logits(config, state, seq, dtype=np.float32)[-1].argmax()))
+            seq.append(int(reference_logits(config, state, seq)[-1].argmax()))
         out.append(
-            (ids, seq[len(ids) :], log_softmax(llama_logits(config, state, seq, dtype=np.float32)))
+            (ids, seq[len(ids) :], log_softmax(reference_logits(config, state, seq)))
         )
     return out
 
@@ -153,7 +161,7 @@ def verify_numpy(config: dict, state: dict, base: list) -> dict[str, float | boo
     deltas, agree, total = [], 0, 0
     for ids, cont, lp_base in base:
         seq = ids + cont
-        lp = log_softmax(llama_logits(config, state, seq, dtype=np.float32))
+        lp = log_softmax(reference_logits(config, state, seq))
         rows = np.arange(len(ids) - 1, len(seq) - 1)
         deltas.append(np.abs(lp[rows, cont] - lp_base[rows, cont]).max())
         agree += int(np.sum(lp[rows].argmax(-1) == lp_base[rows].argmax(-1)))
