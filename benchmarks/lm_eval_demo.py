@@ -18,7 +18,9 @@ prompts, and 2 concurrent requests. Nothing is downloaded: the tasks read local 
 (``HF_DATASETS_OFFLINE=1``).
 
 Run: ``uv run nox -s lm-eval`` (installs lm-eval), or
-``uv run --all-packages --group lm-eval python benchmarks/lm_eval_demo.py --out lm_eval.json``.
+``uv run --all-packages --group lm-eval python benchmarks/lm_eval_demo.py --out lm_eval.json``;
+``--model LABEL=PATH`` (repeated) scores other checkpoints on the same tasks, e.g. the imported
+Gemma 3 270M: ``uv run nox -s lm-eval -- --model gemma3=PATH``.
 """
 
 from __future__ import annotations
@@ -162,13 +164,22 @@ def main() -> None:
     parser.add_argument(
         "--budget", default="0.5", help="also score the demo fit at this budget ('' to skip)"
     )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="score this checkpoint (dense or theta) instead of the demo; repeat for more "
+        "(the tasks are the demo's held-out Python, whatever the model)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix="aq-lm-eval-"))
     make_tasks(work)
-    models = {"demo": "demo"}
-    if args.budget:
+    given = dict(m.split("=", 1) if "=" in m else (Path(m).name, m) for m in args.model)
+    models = given or {"demo": "demo"}
+    if args.budget and not given:
         fit = work / f"demo-budget-{args.budget}"
         subprocess.run(
             [sys.executable, "-m", "attnquant_cli", "decompose", "demo", "-o", str(fit),
