@@ -149,9 +149,7 @@ def verify_base(
         seq = list(ids)
         for _ in range(VERIFY_NEW_TOKENS):
             seq.append(int(reference_logits(config, state, seq)[-1].argmax()))
-        out.append(
-            (ids, seq[len(ids) :], log_softmax(reference_logits(config, state, seq)))
-        )
+        out.append((ids, seq[len(ids) :], log_softmax(reference_logits(config, state, seq))))
     return out
 
 
