@@ -39,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import real_models
 from _servers import wait_healthy
 
-from attnquant_core.calib import open_source, read_texts
-from attnquant_core.calib._forward import final_hidden, output_head
+from attnquant_core.calib import final_hidden, open_source, output_head, read_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = (
