@@ -2,7 +2,7 @@
 
 Two formulations of ``y = s * (x W0^T) + (x V) U^T`` (docs/architecture.md, docs/serving-paths.md):
 
-* **GEMM** (``precompute=False``): the band weight ``W0V`` (see
+* **GEMM** (``--path gemm``, ``ATTNQUANT_PATH=gemm``): the band weight ``W0V`` (see
   :mod:`attnquant_core.serving._layout`) holds ``W0`` and the band's ``V^T`` rows, so
   ``h = x @ W0V^T`` is one matmul giving ``x W0^T`` and this layer's ``x V``;
   a second matmul applies ``U^T``: two matmuls per projection. A group (q/k/v,
@@ -17,13 +17,13 @@ Two formulations of ``y = s * (x W0^T) + (x V) U^T`` (docs/architecture.md, docs
   ``generated_linear_nvfp4`` dispatch or dequantize-then-matmul); a q/k/v (gate/up) group of
   them only is one :class:`~attnquant_max._nvfp4_layers.NVFP4StackedLinear`, a group mixing
   them with float forms runs each member alone, outputs concatenated.
-* **In-graph precompute** (``precompute=True``, ``ATTNQUANT_PRECOMPUTE=1``):
+* **In-graph precompute** (``--path precompute``, ``ATTNQUANT_PATH=precompute``):
   ``W_eff = s * W0 + U V^T`` formed in the graph, then one matmul (one over the
   concatenated ``W_eff`` for a group, as the stock model does).
-* **Custom op** (``custom_op=True``, ``ATTNQUANT_GEMM=0``): the same tensors as
+* **Custom op** (``--path custom-op``, ``ATTNQUANT_PATH=custom-op``): the same tensors as
   in-graph precompute (``W0`` per band, ``s``, ``U``, ``V`` per layer), computed by
   attnquant-kernels' ``generated_linear`` (one dispatch per projection, ``W_eff``
-  never formed) and, with ``ATTNQUANT_FUSED_MLP=1``, ``generated_mlp`` (gate, up,
+  never formed) and, with ``--fused-mlp`` (``ATTNQUANT_FUSED_MLP=1``), ``generated_mlp`` (gate, up,
   SiLU and down in one dispatch, where all three are banded). Families in forms without
   ``W0`` are :class:`~attnquant_max._factored_layers.FactoredLinear` layers running one
   ``generated_lowrank`` each. The graph must load ``kernels_path()``.
