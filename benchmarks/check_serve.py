@@ -67,19 +67,25 @@ def imported(name: str, template: Path | None) -> Path:
     return out
 
 
-def reference_logprobs(ckpt: Path, ids: list[int]) -> np.ndarray:
-    """``log p`` over the vocabulary at every position of ``ids``, numpy float32."""
-    source = open_source(ckpt)
-    h = final_hidden(source, np.asarray([ids], dtype=np.int64))[0]
-    return log_softmax((h @ output_head(source).T).astype(np.float64), axis=-1)
+class Reference:
+    """attnquant-core's numpy float32 forward of ``ckpt``: the checkpoint and its head (the
+    262,144-row table for Gemma 3) opened once for every call."""
 
+    def __init__(self, ckpt: Path) -> None:
+        self.source = open_source(ckpt)
+        self.head = output_head(self.source)
 
-def greedy_reference(ckpt: Path, ids: list[int], steps: int) -> list[int]:
-    """The numpy forward's greedy continuation of ``ids`` (a full forward per step)."""
-    out = list(ids)
-    for _ in range(steps):
-        out.append(int(np.argmax(reference_logprobs(ckpt, out)[-1])))
-    return out[len(ids) :]
+    def logprobs(self, ids: list[int]) -> np.ndarray:
+        """``log p`` over the vocabulary at every position of ``ids``."""
+        h = final_hidden(self.source, np.asarray([ids], dtype=np.int64))[0]
+        return log_softmax((h @ self.head.T).astype(np.float64), axis=-1)
+
+    def greedy(self, ids: list[int], steps: int) -> list[int]:
+        """The greedy continuation of ``ids`` (a full forward per step)."""
+        out = list(ids)
+        for _ in range(steps):
+            out.append(int(np.argmax(self.logprobs(out)[-1])))
+        return out[len(ids) :]
 
 
 def check(ckpt: Path, url: str, tokens: int, echo_tokens: int) -> dict:
@@ -99,7 +105,8 @@ def check(ckpt: Path, url: str, tokens: int, echo_tokens: int) -> dict:
     )
     done = Completion.model_validate(json.loads(raw.text))
     prompt_ids = tok.encode(PROMPT).ids
-    expected = greedy_reference(ckpt, prompt_ids, tokens)
+    reference = Reference(ckpt)
+    expected = reference.greedy(prompt_ids, tokens)
     got = tok.encode(done.choices[0].text, add_special_tokens=False).ids
     result["completion"] = {
         "prompt_ids": prompt_ids,
@@ -139,7 +146,7 @@ def check(ckpt: Path, url: str, tokens: int, echo_tokens: int) -> dict:
     echo = json.loads(raw.text)["choices"][0]["logprobs"]
     assert echo["token_logprobs"][0] is None and echo["top_logprobs"][0] is None
     served = np.asarray(echo["token_logprobs"][1:], dtype=np.float64)
-    ref = reference_logprobs(ckpt, ids)
+    ref = reference.logprobs(ids)
     expected_lp = ref[np.arange(len(ids) - 1), ids[1:]]
     served_top = [max(d, key=d.get) for d in echo["top_logprobs"][1:]]
     ref_top = [tok.decode([int(i)]) for i in ref[:-1].argmax(axis=-1)]  # as the server spells

@@ -67,10 +67,11 @@ def _arrays(state: dict[str, Any]) -> dict[str, np.ndarray]:
     return {k: np.from_dlpack(getattr(v, "data", v)).copy() for k, v in state.items()}
 
 
-def _stock(name: str) -> Any:
+def _stock() -> Any:
+    """The stock adapter of all three: Llama's (MAX's Qwen2 and Qwen3 use it too)."""
     from max.pipelines.architectures.llama3 import weight_adapters
 
-    return weight_adapters.convert_safetensor_state_dict  # what MAX's Qwen2/3 use, and Llama
+    return weight_adapters.convert_safetensor_state_dict
 
 
 def test_the_families_are_registered_and_run_in_float32(archs: dict[str, Any]) -> None:
@@ -96,7 +97,7 @@ def test_dense_and_banded_hand_max_what_the_stock_adapter_makes(
         archs[name].weight_adapters[WeightsFormat.safetensors],
         options=ServingOptions(path="precompute-outside"),
     )
-    stock = _arrays(_adapt(_stock(name), dense[name]))
+    stock = _arrays(_adapt(_stock(), dense[name]))
     assert any(k.endswith("bias") for k in stock) == (name == "Qwen2ForCausalLM")
     assert any(k.endswith("q_norm.weight") for k in stock) == (name == "Qwen3ForCausalLM")
     served = _arrays(_adapt(ours, dense[name]))
